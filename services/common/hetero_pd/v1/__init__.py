@@ -1,0 +1,1 @@
+"""Generated from protos/hetero_pd/v1; do not edit."""

@@ -1,0 +1,61 @@
+"""`hpd`: one command for the control plane and its tools.
+
+hpd up          run the control plane on this machine (embedded Redis unless --redis-url)
+hpd registry    run the registry service alone
+hpd workers     list workers of a running registry (like `kubectl get`)
+hpd pools       list pools of a running registry
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "up": ("hpd_common.up", "run the whole control plane on this machine"),
+    "registry": ("hpd_registry.__main__", "run the registry service"),
+    "workers": ("hpd_common.tables", "print the workers of a running registry"),
+    "pools": ("hpd_common.tables", "print the pools of a running registry"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: hpd COMMAND [options]   (hpd COMMAND --help for its options)", "", "commands:"]
+    lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += [
+        "",
+        "examples:",
+        "  hpd up                                  # registry on :50051, embedded Redis in ./.hpd",
+        "  hpd up --redis-url redis://host:6379/0  # against your own Redis",
+        "  hpd workers --registry 127.0.0.1:50051 --pool h100-prefill",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    name, rest = args[0], args[1:]
+    if name not in COMMANDS:
+        print(f"hpd: unknown command {name!r}\n", file=sys.stderr)
+        print(usage(), file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    entry: Callable[..., int] = module.main
+    if module.__name__ == "hpd_common.tables":
+        return entry([name, *rest])
+    return entry(rest)
+
+
+def add_common_client_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--registry", default="127.0.0.1:50051", help="registry address host:port")
+    p.add_argument("--timeout", type=float, default=5.0, help="RPC deadline in seconds")
+    p.add_argument("-o", "--output", choices=["table", "json"], default="table")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

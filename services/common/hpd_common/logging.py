@@ -1,0 +1,50 @@
+"""structlog, configured once: JSON in production, readable on a terminal.
+
+The request id of the RPC being served is bound through contextvars by the RPC
+wrapper in `hpd_common.rpc`, so every log line inside a handler carries it.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import structlog
+
+_configured = False
+
+
+def configure_logging(level: str = "info", json_logs: bool | None = None) -> None:
+    """Configures structlog and the stdlib root logger; later calls only change the level."""
+    global _configured
+    numeric = logging.getLevelName(level.upper())
+    if not isinstance(numeric, int):
+        raise ValueError(f"unknown log level {level!r}")
+    if json_logs is None:
+        json_logs = not sys.stderr.isatty()
+    renderer: Any = (
+        structlog.processors.JSONRenderer()
+        if json_logs
+        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+    )
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.StackInfoRenderer(),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(numeric),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=_configured is False,
+    )
+    logging.basicConfig(level=max(numeric, logging.WARNING), stream=sys.stderr)
+    _configured = True
+
+
+def get_logger(name: str) -> Any:
+    """A structlog logger with `component` bound."""
+    return structlog.get_logger().bind(component=name)

@@ -1,0 +1,235 @@
+"""gRPC server bootstrap shared by the three services.
+
+One `GrpcServer` per service port: `grpc.aio` with `grpc.health.v1` (one status per
+service name plus the overall ""), server reflection, DiagnosticsService, optional
+TLS or mutual TLS, and a readiness loop that reports NOT_SERVING while Redis is
+unreachable or the component says it is not ready (the scheduler's stale view).
+`run_until_signal` stops everything gracefully on SIGTERM or SIGINT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import signal
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import grpc
+import redis.asyncio as aioredis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from hetero_pd.v1 import diagnostics_pb2, diagnostics_pb2_grpc
+from hpd_common.diagnostics import DiagnosticsApi
+from hpd_common.errors import InvalidArgument
+from hpd_common.logging import get_logger
+from hpd_common.redis_conn import RedisHealthProbe
+
+log = get_logger("server")
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSettings:
+    """Settings every service has. Services subclass this and override the port default."""
+
+    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
+    port: int = field(default=0, metadata={"help": "gRPC port (0 = any free port)"})
+    metrics_port: int = field(default=0, metadata={"help": "Prometheus /metrics port (0 = off)"})
+    redis_url: str = field(default="", metadata={"help": "Redis URL, e.g. redis://host:6379/0"})
+    tls_cert_file: str = field(
+        default="", metadata={"help": "PEM server certificate (enables TLS)"}
+    )
+    tls_key_file: str = field(default="", metadata={"help": "PEM private key of the certificate"})
+    tls_client_ca_file: str = field(
+        default="", metadata={"help": "PEM CA bundle; when set, clients must present a cert (mTLS)"}
+    )
+    log_level: str = field(default="info", metadata={"help": "debug, info, warning or error"})
+    json_logs: bool | None = field(default=None, metadata={"help": "JSON logs (default: no TTY)"})
+    shutdown_grace_s: float = field(default=5.0, metadata={"help": "drain time on SIGTERM"})
+
+    def with_overrides(self, **changes: Any) -> Any:
+        return dataclasses.replace(self, **changes)
+
+
+class Component(Protocol):
+    """A service as the bootstrap sees it."""
+
+    @property
+    def service_names(self) -> Sequence[str]: ...
+
+    def add_to_server(self, server: grpc.aio.Server) -> None: ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def ready(self) -> bool: ...
+
+
+def server_credentials(settings: ServerSettings) -> grpc.ServerCredentials | None:
+    """TLS (cert + key) or mutual TLS (plus client CA) credentials, or None for plaintext."""
+    if not settings.tls_cert_file and not settings.tls_key_file:
+        if settings.tls_client_ca_file:
+            raise InvalidArgument("tls_client_ca_file", "needs tls_cert_file and tls_key_file")
+        return None
+    if not (settings.tls_cert_file and settings.tls_key_file):
+        raise InvalidArgument("tls_cert_file", "TLS needs both tls_cert_file and tls_key_file")
+
+    def read(name: str, path: str) -> bytes:
+        try:
+            return Path(path).read_bytes()
+        except OSError as exc:
+            raise InvalidArgument(name, f"cannot read {path}: {exc.strerror}") from exc
+
+    cert = read("tls_cert_file", settings.tls_cert_file)
+    key = read("tls_key_file", settings.tls_key_file)
+    ca = (
+        read("tls_client_ca_file", settings.tls_client_ca_file)
+        if settings.tls_client_ca_file
+        else None
+    )
+    return grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
+    )
+
+
+SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", 8 * 1024 * 1024),
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.so_reuseport", 0),
+]
+
+
+class GrpcServer:
+    """Serves one component on one port with health, reflection and diagnostics."""
+
+    def __init__(
+        self,
+        name: str,
+        settings: ServerSettings,
+        component: Component,
+        redis: aioredis.Redis | None,
+        probe_interval_s: float = 0.5,
+    ) -> None:
+        self.name = name
+        self.settings = settings
+        self.component = component
+        self.redis = redis
+        self.health = HealthServicer()
+        self.port = 0
+        self._server: grpc.aio.Server | None = None
+        self._probe: RedisHealthProbe | None = None
+        self._probe_interval_s = probe_interval_s
+        self._ready_task: asyncio.Task[None] | None = None
+        self._serving: bool | None = None
+
+    async def start(self) -> int:
+        """Binds, starts the component and the server; returns the bound port."""
+        server = grpc.aio.server(options=SERVER_OPTIONS)
+        self.component.add_to_server(server)
+        diagnostics_pb2_grpc.add_DiagnosticsServiceServicer_to_server(
+            DiagnosticsApi(self.redis), server
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        names = [
+            *self.component.service_names,
+            diagnostics_pb2.DESCRIPTOR.services_by_name["DiagnosticsService"].full_name,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ]
+        reflection.enable_server_reflection(names, server)
+        address = f"{self.settings.host}:{self.settings.port}"
+        creds = server_credentials(self.settings)
+        self.port = (
+            server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
+        )
+        if not self.port:
+            raise OSError(f"cannot listen on {address}")
+        await self._set_serving(False)
+        await self.component.start()
+        await server.start()
+        self._server = server
+        self._ready_task = asyncio.create_task(self._readiness_loop(), name=f"ready-{self.name}")
+        log.info(
+            "server_started",
+            service=self.name,
+            address=f"{self.settings.host}:{self.port}",
+            tls=creds is not None,
+            mtls=bool(self.settings.tls_client_ca_file),
+        )
+        return self.port
+
+    async def _set_serving(self, serving: bool) -> None:
+        if serving == self._serving:
+            return
+        self._serving = serving
+        status = SERVING if serving else NOT_SERVING
+        for name in ("", *self.component.service_names):
+            await self.health.set(name, status)
+        log.info("health_changed", service=self.name, serving=serving)
+
+    async def _readiness_loop(self) -> None:
+        redis_up = self.redis is None
+        probe = None
+        if self.redis is not None:
+
+            async def changed(up: bool) -> None:
+                nonlocal redis_up
+                redis_up = up
+
+            probe = RedisHealthProbe(self.redis, self.name, changed, self._probe_interval_s)
+            self._probe = probe
+        while True:
+            if probe is not None:
+                await probe.check_once()
+            await self._set_serving(redis_up and self.component.ready())
+            await asyncio.sleep(self._probe_interval_s)
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """NOT_SERVING first (so balancers move away), then drain RPCs, then stop the component."""
+        grace = self.settings.shutdown_grace_s if grace_s is None else grace_s
+        if self._ready_task:
+            self._ready_task.cancel()
+            await asyncio.gather(self._ready_task, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await self.health.enter_graceful_shutdown()
+        if self._server is not None:
+            await self._server.stop(grace)
+        await self.component.stop()
+        log.info("server_stopped", service=self.name)
+
+
+async def run_until_signal(
+    servers: Sequence[GrpcServer],
+    on_started: Callable[[], Awaitable[None]] | None = None,
+    stop_event: asyncio.Event | None = None,
+) -> None:
+    """Starts every server, waits for SIGTERM/SIGINT (or stop_event), stops them in reverse."""
+    stop = stop_event or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    started: list[GrpcServer] = []
+    try:
+        for server in servers:
+            await server.start()
+            started.append(server)
+        if on_started is not None:
+            await on_started()
+        await stop.wait()
+        log.info("shutdown_requested")
+    finally:
+        for server in reversed(started):
+            await server.stop()

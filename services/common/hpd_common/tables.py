@@ -1,0 +1,160 @@
+"""`hpd workers` and `hpd pools`: tables from a running registry, as `kubectl get` prints."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from hetero_pd.v1 import common_pb2 as c
+from hetero_pd.v1 import registry_pb2 as r
+from hetero_pd.v1 import registry_pb2_grpc as r_grpc
+
+
+def render(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Left-aligned columns separated by three spaces."""
+    widths = [len(h) for h in headers]
+    for row in rows:
+        widths = [max(w, len(cell)) for w, cell in zip(widths, row, strict=True)]
+    lines = ["   ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
+    lines += [
+        "   ".join(x.ljust(w) for x, w in zip(row, widths, strict=True)).rstrip() for row in rows
+    ]
+    return "\n".join(lines)
+
+
+def _age(ms: int, now_ms: int) -> str:
+    if not ms:
+        return "-"
+    s = max(0, (now_ms - ms) // 1000)
+    if s < 120:
+        return f"{s}s"
+    if s < 7200:
+        return f"{s // 60}m"
+    return f"{s // 3600}h"
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.0f}Gi"
+
+
+def _stages(stages: Sequence[int]) -> str:
+    names: dict[int, str] = {c.STAGE_PREFILL: "prefill", c.STAGE_DECODE: "decode"}
+    return ",".join(names.get(s, "?") for s in stages) or "-"
+
+
+def _health(h: int) -> str:
+    return c.HealthState.Name(h).removeprefix("HEALTH_STATE_")
+
+
+def worker_rows(workers: Sequence[c.Worker], now_ms: int) -> list[list[str]]:
+    rows = []
+    for w in workers:
+        cap, st = w.capability, w.status
+        load = w.load if w.HasField("load") else None
+        kv = "-"
+        if load and load.kv_blocks_total:
+            kv = f"{100 * (1 - load.kv_blocks_free / load.kv_blocks_total):.0f}%"
+        rows.append([
+            cap.worker_id, cap.pool_id, _stages(cap.stages), f"{cap.gpu_count}x{cap.gpu_type}",
+            str(cap.tp_size), _health(st.health),
+            str(load.queue_depth) if load else "-",
+            f"{load.batch_size}/{cap.max_batch_size}" if load else f"-/{cap.max_batch_size}",
+            kv, _age(st.last_heartbeat_unix_ms, now_ms), _age(st.registered_at_unix_ms, now_ms),
+        ])  # fmt: skip
+    return rows
+
+
+WORKER_HEADERS = [
+    "NAME",
+    "POOL",
+    "STAGES",
+    "GPUS",
+    "TP",
+    "HEALTH",
+    "QUEUE",
+    "BATCH",
+    "KV",
+    "SEEN",
+    "AGE",
+]
+POOL_HEADERS = [
+    "POOL",
+    "MODEL",
+    "STAGES",
+    "GPU",
+    "WORKERS",
+    "HEALTHY",
+    "GPUS",
+    "KV",
+    "GPU-UTIL",
+    "QUEUE",
+]
+
+
+def pool_rows(pools: Sequence[c.PoolSummary]) -> list[list[str]]:
+    return [
+        [
+            p.pool_id,
+            p.model_id,
+            _stages(p.stages),
+            p.gpu_type,
+            str(p.worker_count),
+            str(p.workers_by_health.get("HEALTHY", 0)),
+            str(p.gpu_count),
+            _gib(p.kv_memory_total_bytes),
+            f"{100 * p.gpu_util_mean:.0f}%",
+            str(p.queue_depth_total),
+        ]
+        for p in pools
+    ]
+
+
+def main(argv: Sequence[str]) -> int:
+    what, rest = argv[0], argv[1:]
+    p = argparse.ArgumentParser(prog=f"hpd {what}", description=f"List the {what} of a registry.")
+    p.add_argument("--registry", default="127.0.0.1:50051", help="registry address host:port")
+    p.add_argument("--timeout", type=float, default=5.0, help="RPC deadline in seconds")
+    p.add_argument("-o", "--output", choices=["table", "json"], default="table")
+    p.add_argument("--model", default="", help="only this model")
+    if what == "workers":
+        p.add_argument("--pool", default="", help="only this pool")
+    args = p.parse_args(rest)
+    try:
+        with grpc.insecure_channel(args.registry) as channel:
+            stub = r_grpc.RegistryServiceStub(channel)
+            if what == "workers":
+                workers: list[c.Worker] = []
+                token = ""
+                while True:
+                    resp = stub.ListWorkers(
+                        r.ListWorkersRequest(
+                            pool_id=args.pool, model_id=args.model, page_size=1000, page_token=token
+                        ),
+                        timeout=args.timeout,
+                    )
+                    workers += resp.workers
+                    token = resp.next_page_token
+                    if not token:
+                        break
+                if args.output == "json":
+                    print(json.dumps([MessageToDict(w) for w in workers], indent=2))
+                else:
+                    print(render(WORKER_HEADERS, worker_rows(workers, int(time.time() * 1000))))
+            else:
+                pools = stub.ListPools(
+                    r.ListPoolsRequest(model_id=args.model), timeout=args.timeout
+                )
+                if args.output == "json":
+                    print(json.dumps(MessageToDict(pools), indent=2))
+                else:
+                    print(render(POOL_HEADERS, pool_rows(pools.pools)))
+    except grpc.RpcError as exc:
+        print(f"hpd {what}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,217 @@
+"""RegistryService servicer: validate, convert, call the use case, convert back."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from hetero_pd.v1 import common_pb2 as c
+from hetero_pd.v1 import registry_pb2 as r
+from hetero_pd.v1 import registry_pb2_grpc as r_grpc
+from hpd_common import rpc
+from hpd_common.errors import InvalidArgument
+from hpd_registry import convert as cv
+from hpd_registry.domain import Health, LoadReport, Stage, WorkerFilter
+from hpd_registry.service import (
+    HeartbeatInput,
+    LeaseInfo,
+    RegistryService,
+    WatchEvent,
+)
+
+SERVICE_NAME = r.DESCRIPTOR.services_by_name["RegistryService"].full_name
+
+
+def _hb_input(m: r.HeartbeatRequest | r.StreamHeartbeatsRequest) -> HeartbeatInput:
+    load: LoadReport | None = cv.load_from_pb(m.load) if m.HasField("load") else None
+    return HeartbeatInput(
+        worker_id=m.worker_id,
+        credential=m.credential,
+        load=load,
+        health=cv.reported_health(m.reported_health, "reported_health"),
+        reason=m.health_reason,
+    )
+
+
+class RegistryApi(r_grpc.RegistryServiceServicer):
+    def __init__(self, service: RegistryService) -> None:
+        self.svc = service
+
+    def _worker(self, rec: Any) -> c.Worker:
+        return cv.worker_to_pb(rec, self.svc.health(rec))
+
+    @rpc.unary
+    async def RegisterWorker(
+        self, request: r.RegisterWorkerRequest, context: Any
+    ) -> r.RegisterWorkerResponse:
+        if not request.HasField("capability"):
+            raise InvalidArgument("capability", "is required")
+        reg = await self.svc.register(
+            cv.spec_from_pb(request.capability), request.credential, request.lease_ttl_ms
+        )
+        return r.RegisterWorkerResponse(
+            worker_id=reg.worker_id,
+            lease_ttl_ms=reg.lease_ttl_ms,
+            heartbeat_interval_ms=reg.heartbeat_interval_ms,
+            credential=reg.credential,
+            revision=reg.revision,
+            changed=reg.changed,
+        )
+
+    @rpc.unary
+    async def Heartbeat(self, request: r.HeartbeatRequest, context: Any) -> r.HeartbeatResponse:
+        out = await self.svc.heartbeat(_hb_input(request))
+        return r.HeartbeatResponse(
+            lease_ttl_ms=out.lease.lease_ttl_ms,
+            lease_expires_at_unix_ms=out.lease.lease_expires_at_ms,
+            directives=[cv.directive_to_pb(d) for d in out.directives],
+            health=cv.HEALTH_TO_PB[out.health],
+        )
+
+    @rpc.stream_stream
+    async def StreamHeartbeats(
+        self, requests: AsyncIterator[r.StreamHeartbeatsRequest], context: Any
+    ) -> AsyncIterator[r.StreamHeartbeatsResponse]:
+        it = requests.__aiter__()
+        try:
+            first = await it.__anext__()
+        except StopAsyncIteration:
+            return
+        if not first.worker_id:
+            raise InvalidArgument("worker_id", "the first message must name the worker")
+
+        async def rest() -> AsyncIterator[HeartbeatInput]:
+            async for m in it:
+                yield _hb_input(m)
+
+        async for item in self.svc.heartbeat_stream(_hb_input(first), rest()):
+            if isinstance(item, LeaseInfo):
+                yield r.StreamHeartbeatsResponse(
+                    ack=r.LeaseAck(
+                        lease_ttl_ms=item.lease_ttl_ms,
+                        heartbeat_interval_ms=item.heartbeat_interval_ms,
+                        lease_expires_at_unix_ms=item.lease_expires_at_ms,
+                    )
+                )
+            else:
+                yield r.StreamHeartbeatsResponse(directive=cv.directive_to_pb(item))
+
+    @rpc.unary
+    async def DeregisterWorker(
+        self, request: r.DeregisterWorkerRequest, context: Any
+    ) -> r.DeregisterWorkerResponse:
+        if not request.credential:
+            raise InvalidArgument("credential", "is required")
+        rev = await self.svc.deregister(request.worker_id, request.credential)
+        return r.DeregisterWorkerResponse(revision=rev)
+
+    @rpc.unary
+    async def DrainWorker(
+        self, request: r.DrainWorkerRequest, context: Any
+    ) -> r.DrainWorkerResponse:
+        rec = await self.svc.admin(request.worker_id, "drain", request.reason)
+        return r.DrainWorkerResponse(worker=self._worker(rec))
+
+    @rpc.unary
+    async def CordonWorker(
+        self, request: r.CordonWorkerRequest, context: Any
+    ) -> r.CordonWorkerResponse:
+        rec = await self.svc.admin(request.worker_id, "cordon", request.reason)
+        return r.CordonWorkerResponse(worker=self._worker(rec))
+
+    @rpc.unary
+    async def UncordonWorker(
+        self, request: r.UncordonWorkerRequest, context: Any
+    ) -> r.UncordonWorkerResponse:
+        rec = await self.svc.admin(request.worker_id, "uncordon", "")
+        return r.UncordonWorkerResponse(worker=self._worker(rec))
+
+    @rpc.unary
+    async def GetWorker(self, request: r.GetWorkerRequest, context: Any) -> r.GetWorkerResponse:
+        return r.GetWorkerResponse(worker=self._worker(await self.svc.get(request.worker_id)))
+
+    @rpc.unary
+    async def ListWorkers(
+        self, request: r.ListWorkersRequest, context: Any
+    ) -> r.ListWorkersResponse:
+        stage: Stage | None = None
+        if request.stage:
+            stage = cv.enum_value("stage", cv.STAGE_FROM_PB, request.stage)
+        health: Health | None = None
+        if request.health:
+            health = cv.enum_value("health", cv.HEALTH_FROM_PB, request.health)
+        flt = WorkerFilter(
+            pool_id=request.pool_id,
+            model_id=request.model_id,
+            stage=stage,
+            health=health,
+            labels=tuple(sorted(request.labels.items())),
+        )
+        records, token, rev = await self.svc.list_workers(
+            flt, request.page_size, request.page_token
+        )
+        return r.ListWorkersResponse(
+            workers=[self._worker(x) for x in records], next_page_token=token, revision=rev
+        )
+
+    @rpc.unary
+    async def ListPools(self, request: r.ListPoolsRequest, context: Any) -> r.ListPoolsResponse:
+        pools, rev = await self.svc.pools(request.model_id)
+        return r.ListPoolsResponse(pools=[cv.pool_to_pb(p) for p in pools], revision=rev)
+
+    @rpc.server_stream
+    async def WatchWorkers(
+        self, request: r.WatchWorkersRequest, context: Any
+    ) -> AsyncIterator[r.WatchWorkersResponse]:
+        async for ev in self.svc.watch(request.from_revision, request.model_id):
+            yield self._event(ev)
+
+    def _event(self, ev: WatchEvent) -> r.WatchWorkersResponse:
+        out = r.WatchWorkersResponse(
+            type=cv.WATCH_TYPES[ev.type],
+            revision=ev.revision,
+            worker_id=ev.worker_id,
+            reason=ev.reason,
+            sent_at_unix_ms=self.svc.clock.now_ms(),
+        )
+        if ev.record is not None:
+            out.worker.CopyFrom(self._worker(ev.record))
+        elif ev.load is not None:
+            out.worker.load.CopyFrom(cv.load_to_pb(ev.load))
+            out.worker.status.last_heartbeat_unix_ms = ev.last_heartbeat_ms
+            out.worker.capability.worker_id = ev.worker_id
+        return out
+
+    @rpc.unary
+    async def SendDirective(
+        self, request: r.SendDirectiveRequest, context: Any
+    ) -> r.SendDirectiveResponse:
+        if not request.HasField("directive"):
+            raise InvalidArgument("directive", "is required")
+        directive_id, now = await self.svc.send_directive(
+            request.worker_id, cv.directive_from_pb(request.directive)
+        )
+        return r.SendDirectiveResponse(directive_id=directive_id, delivered_now=now)
+
+
+class RegistryComponent:
+    """The registry as the server bootstrap sees it."""
+
+    service_names = (SERVICE_NAME,)
+
+    def __init__(self, service: RegistryService) -> None:
+        self.service = service
+
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        r_grpc.add_RegistryServiceServicer_to_server(RegistryApi(self.service), server)
+
+    async def start(self) -> None:
+        await self.service.start()
+
+    async def stop(self) -> None:
+        await self.service.stop()
+
+    def ready(self) -> bool:
+        return True

@@ -1,0 +1,681 @@
+"""Registry use cases: async, owns the store, the clock and the background loops.
+
+Background loops (one set per replica, all safe to run on several replicas):
+- the heartbeat batcher: load reports from every stream and unary heartbeat are
+  written in one Lua call per batch (a batch forms while the previous one is in
+  flight, so there is no added delay under light load);
+- the feed tailer: one blocking XREAD per replica fans the change feed out to every
+  WatchWorkers stream, and sends bookmarks when the feed is idle;
+- the sweeper: expires leases and flags SUSPECT workers (atomically, so exactly once);
+- the directive listener: wakes a worker's stream when a directive is queued for it on
+  any replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from hpd_common.clock import Clock
+from hpd_common.errors import (
+    AlreadyExists,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    Unavailable,
+)
+from hpd_common.gpus import GPU_ALIASES, GPU_PROFILES
+from hpd_common.logging import get_logger
+from hpd_common.server import ServerSettings
+from hpd_registry.domain import (
+    Directive,
+    DirectiveKind,
+    Health,
+    LoadReport,
+    PoolSummary,
+    WorkerFilter,
+    WorkerRecord,
+    WorkerSpec,
+    check_id,
+    stamp_load,
+    summarize_pools,
+    validate_directive,
+    validate_load,
+    validate_spec,
+)
+from hpd_registry.keys import RegistryKeys
+from hpd_registry.store import (
+    FeedEntry,
+    HeartbeatItem,
+    HeartbeatResult,
+    RegistryStore,
+    credential_hash,
+)
+
+log = get_logger("registry")
+
+
+@dataclass(frozen=True, slots=True)
+class RegistrySettings(ServerSettings):
+    port: int = field(default=50051, metadata={"help": "gRPC port of the registry"})
+    key_prefix: str = field(default="hpd", metadata={"help": "prefix of every Redis key"})
+    lease_ttl_ms: int = field(default=10_000, metadata={"help": "default worker lease"})
+    min_lease_ttl_ms: int = field(default=300, metadata={"help": "shortest lease a worker may ask"})
+    max_lease_ttl_ms: int = field(
+        default=300_000, metadata={"help": "longest lease a worker may ask"}
+    )
+    sweep_interval_ms: int = field(default=1_000, metadata={"help": "how often leases are checked"})
+    load_stale_ms: int = field(
+        default=30_000, metadata={"help": "a load report older than this makes a worker SUSPECT"}
+    )
+    feed_max_len: int = field(default=100_000, metadata={"help": "change-feed entries kept"})
+    bookmark_interval_ms: int = field(
+        default=1_000, metadata={"help": "idle watch streams get a bookmark this often"}
+    )
+    watch_queue_max: int = field(
+        default=20_000, metadata={"help": "events buffered per watcher before it must resync"}
+    )
+
+
+class WatchType:
+    SNAPSHOT = "snapshot"
+    SNAPSHOT_END = "snapshot_end"
+    PUT = "put"
+    LOAD = "load"
+    DELETE = "delete"
+    RESYNC = "resync"
+    BOOKMARK = "bookmark"
+
+
+@dataclass(frozen=True, slots=True)
+class WatchEvent:
+    type: str
+    revision: int
+    worker_id: str = ""
+    record: WorkerRecord | None = None
+    load: LoadReport | None = None
+    last_heartbeat_ms: int = 0
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatInput:
+    worker_id: str
+    credential: str
+    load: LoadReport | None
+    health: str  # '', 'ok', 'bad'
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseInfo:
+    lease_ttl_ms: int
+    heartbeat_interval_ms: int
+    lease_expires_at_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    worker_id: str
+    lease_ttl_ms: int
+    heartbeat_interval_ms: int
+    credential: str
+    revision: int
+    changed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatOutcome:
+    lease: LeaseInfo
+    directives: list[Directive]
+    health: Health
+
+
+_WAKE = object()
+_END = object()
+_OVERFLOW = object()
+
+
+class _Subscriber:
+    __slots__ = ("overflowed", "queue")
+
+    def __init__(self, maxsize: int) -> None:
+        self.queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=maxsize)
+        self.overflowed = False
+
+    def offer(self, item: Any) -> None:
+        if self.overflowed:
+            return
+        try:
+            self.queue.put_nowait(item)
+        except asyncio.QueueFull:
+            self.overflowed = True
+            with contextlib.suppress(asyncio.QueueEmpty):
+                while True:
+                    self.queue.get_nowait()
+            self.queue.put_nowait(_OVERFLOW)
+
+
+def _entry_event(e: FeedEntry) -> WatchEvent:
+    if e.kind == "put":
+        return WatchEvent(WatchType.PUT, e.revision, e.worker_id, record=e.record)
+    if e.kind == "load":
+        return WatchEvent(
+            WatchType.LOAD,
+            e.revision,
+            e.worker_id,
+            load=e.load,
+            last_heartbeat_ms=e.last_heartbeat_ms,
+        )
+    return WatchEvent(WatchType.DELETE, e.revision, e.worker_id, reason=e.reason)
+
+
+class RegistryService:
+    """The registry's use cases; the gRPC servicer is a thin layer over this."""
+
+    def __init__(
+        self, settings: RegistrySettings, client: aioredis.Redis, clock: Clock, max_batch: int = 512
+    ) -> None:
+        self.settings = settings
+        self.client = client
+        self.clock = clock
+        self.store = RegistryStore(client, RegistryKeys(settings.key_prefix), settings.feed_max_len)
+        self._max_batch = max_batch
+        self._pending: list[tuple[HeartbeatItem, asyncio.Future[HeartbeatResult]]] = []
+        self._wake_batcher = asyncio.Event()
+        self._subscribers: set[_Subscriber] = set()
+        self._streams: dict[str, asyncio.Queue[Any]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._tail_client: aioredis.Redis | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._tail_client = self.client.__class__(connection_pool=self._make_tail_pool())
+        self._tasks = [
+            asyncio.create_task(self._batcher(), name="registry-batcher"),
+            asyncio.create_task(self._tail_feed(), name="registry-feed"),
+            asyncio.create_task(self._sweeper(), name="registry-sweeper"),
+            asyncio.create_task(self._directive_listener(), name="registry-directives"),
+        ]
+
+    def _make_tail_pool(self) -> aioredis.ConnectionPool:
+        kwargs = dict(self.client.connection_pool.connection_kwargs)
+        kwargs["socket_timeout"] = max(2.0, (kwargs.get("socket_timeout") or 1.0) * 2)
+        return aioredis.ConnectionPool(
+            connection_class=self.client.connection_pool.connection_class,
+            max_connections=4,
+            **kwargs,
+        )
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for q in list(self._streams.values()):
+            with contextlib.suppress(asyncio.QueueFull):
+                q.put_nowait(_END)
+        if self._tail_client is not None:
+            await self._tail_client.aclose()
+
+    @property
+    def heartbeat_interval_ms(self) -> int:
+        return max(1, self.settings.lease_ttl_ms // 3)
+
+    def _interval_for(self, ttl_ms: int) -> int:
+        return max(1, ttl_ms // 3)
+
+    def _ttl(self, requested_ms: int) -> int:
+        s = self.settings
+        if requested_ms == 0:
+            return s.lease_ttl_ms
+        return max(s.min_lease_ttl_ms, min(s.max_lease_ttl_ms, requested_ms))
+
+    # -- registration -----------------------------------------------------------------------
+
+    async def register(self, spec: WorkerSpec, credential: str, ttl_ms: int) -> Registration:
+        known = spec.gpu_type.upper() in GPU_PROFILES or spec.gpu_type.upper() in GPU_ALIASES
+        validate_spec(spec, known_gpu=known or spec.gpu_type in GPU_PROFILES)
+        if len(credential) > 256:
+            raise InvalidArgument("credential", "longer than 256 characters")
+        ttl = self._ttl(ttl_ms)
+        new_credential = secrets.token_urlsafe(32)
+        status, rev = await self.store.register(
+            spec,
+            credential_hash(credential),
+            credential_hash(new_credential),
+            ttl,
+            self.clock.now_ms(),
+        )
+        if status == "exists":
+            raise AlreadyExists(
+                f"worker {spec.worker_id!r} is registered and live; present its credential "
+                "to re-register, or wait for its lease to expire"
+            )
+        issued = new_credential if status == "created" else credential
+        log.info(
+            "worker_registered",
+            worker_id=spec.worker_id,
+            pool_id=spec.pool_id,
+            outcome=status,
+            revision=rev,
+        )
+        return Registration(
+            spec.worker_id, ttl, self._interval_for(ttl), issued, rev, status != "same"
+        )
+
+    async def deregister(self, worker_id: str, credential: str) -> int:
+        check_id("worker_id", worker_id)
+        status, rev = await self.store.deregister(
+            worker_id, credential_hash(credential), self.clock.now_ms()
+        )
+        if status == "gone":
+            raise NotFound("worker", worker_id)
+        if status == "denied":
+            raise PermissionDenied(f"credential does not match worker {worker_id!r}")
+        log.info("worker_deregistered", worker_id=worker_id, revision=rev)
+        return rev
+
+    # -- heartbeats -------------------------------------------------------------------------
+
+    def _check_heartbeat(self, hb: HeartbeatInput, path: str) -> HeartbeatInput:
+        if hb.health == "bad" and not hb.reason:
+            raise InvalidArgument(f"{path}health_reason", "required when reporting UNHEALTHY")
+        if len(hb.reason) > 512:
+            raise InvalidArgument(f"{path}health_reason", "longer than 512 characters")
+        if hb.load is None:
+            return hb
+        now = self.clock.now_ms()
+        validate_load(f"{path}load", hb.load, now)
+        return replace(hb, load=stamp_load(hb.load, now))
+
+    async def _submit(self, item: HeartbeatItem) -> HeartbeatResult:
+        fut: asyncio.Future[HeartbeatResult] = asyncio.get_running_loop().create_future()
+        self._pending.append((item, fut))
+        self._wake_batcher.set()
+        return await fut
+
+    async def _batcher(self) -> None:
+        while True:
+            await self._wake_batcher.wait()
+            self._wake_batcher.clear()
+            while self._pending:
+                batch = self._pending[: self._max_batch]
+                del self._pending[: self._max_batch]
+                try:
+                    results = await self.store.heartbeats(
+                        [i for i, _ in batch], self.clock.now_ms()
+                    )
+                except Exception as exc:  # handed to every waiter, which translates it
+                    for _, fut in batch:
+                        if not fut.done():
+                            fut.set_exception(exc)
+                    continue
+                for (_, fut), res in zip(batch, results, strict=True):
+                    if not fut.done():
+                        fut.set_result(res)
+
+    def _health_of(self, res: HeartbeatResult) -> Health:
+        if res.unhealthy:
+            return Health.UNHEALTHY
+        if res.draining:
+            return Health.DRAINING
+        if res.cordoned:
+            return Health.CORDONED
+        return Health.HEALTHY
+
+    def _raise_for(self, res: HeartbeatResult, worker_id: str) -> None:
+        if res.status == "gone":
+            raise NotFound("worker", worker_id)
+        if res.status == "denied":
+            raise PermissionDenied(f"credential does not match worker {worker_id!r}")
+
+    async def heartbeat(self, hb: HeartbeatInput, ttl_ms: int = 0) -> HeartbeatOutcome:
+        check_id("worker_id", hb.worker_id)
+        if not hb.credential:
+            raise InvalidArgument("credential", "is required")
+        hb = self._check_heartbeat(hb, "")
+        ttl = self._ttl(ttl_ms)
+        res = await self._submit(
+            HeartbeatItem(
+                hb.worker_id, credential_hash(hb.credential), ttl, hb.load, hb.health, hb.reason
+            )
+        )
+        self._raise_for(res, hb.worker_id)
+        directives = await self.store.pop_directives(hb.worker_id) if res.pending_directives else []
+        return HeartbeatOutcome(
+            LeaseInfo(ttl, self._interval_for(ttl), res.lease_expires_at_ms),
+            directives,
+            self._health_of(res),
+        )
+
+    async def heartbeat_stream(
+        self, first: HeartbeatInput, rest: AsyncIterator[HeartbeatInput]
+    ) -> AsyncIterator[LeaseInfo | Directive]:
+        """Authenticates on the first message, then: acks and directives out, reports in."""
+        outcome = await self.heartbeat(first)
+        worker_id = first.worker_id
+        yield outcome.lease
+        for d in outcome.directives:
+            yield d
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        previous = self._streams.get(worker_id)
+        if previous is not None:
+            previous.put_nowait(_END)
+        self._streams[worker_id] = queue
+        ttl = outcome.lease.lease_ttl_ms
+        reader = asyncio.create_task(self._read_reports(worker_id, ttl, rest, queue))
+        log.info("heartbeat_stream_opened", worker_id=worker_id)
+        try:
+            queue.put_nowait(_WAKE)  # anything queued before the stream existed
+            while True:
+                item = await queue.get()
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                if item is _WAKE:
+                    directives = await self.store.pop_directives(worker_id)
+                    for i, d in enumerate(directives):
+                        try:
+                            yield d
+                        except BaseException:
+                            await self.store.requeue_directives(worker_id, directives[i:])
+                            raise
+                else:
+                    yield item
+        finally:
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+            if self._streams.get(worker_id) is queue:
+                del self._streams[worker_id]
+            log.info("heartbeat_stream_closed", worker_id=worker_id)
+
+    async def _read_reports(
+        self, worker_id: str, ttl: int, rest: AsyncIterator[HeartbeatInput], out: asyncio.Queue[Any]
+    ) -> None:
+        interval_s = self._interval_for(ttl) / 1000
+        last_ack = self.clock.monotonic()
+        try:
+            async for hb in rest:
+                if hb.worker_id and hb.worker_id != worker_id:
+                    raise InvalidArgument("worker_id", "differs from the stream's first message")
+                hb = self._check_heartbeat(hb, "")
+                res = await self._submit(
+                    HeartbeatItem(worker_id, "", ttl, hb.load, hb.health, hb.reason)
+                )
+                self._raise_for(res, worker_id)
+                if res.pending_directives:
+                    out.put_nowait(_WAKE)
+                now = self.clock.monotonic()
+                if now - last_ack >= interval_s:
+                    last_ack = now
+                    out.put_nowait(LeaseInfo(ttl, self._interval_for(ttl), res.lease_expires_at_ms))
+            out.put_nowait(_END)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            out.put_nowait(exc)
+
+    # -- operator actions -------------------------------------------------------------------
+
+    async def admin(self, worker_id: str, op: str, reason: str) -> WorkerRecord:
+        check_id("worker_id", worker_id)
+        if len(reason) > 512:
+            raise InvalidArgument("reason", "longer than 512 characters")
+        status, rev = await self.store.admin(worker_id, op, reason, self.clock.now_ms())
+        if status == "gone":
+            raise NotFound("worker", worker_id)
+        log.info(
+            "worker_" + {"drain": "drained", "cordon": "cordoned"}.get(op, "uncordoned"),
+            worker_id=worker_id,
+            reason=reason,
+            revision=rev,
+        )
+        if op == "drain" and status == "ok":
+            await self.store.push_directive(
+                worker_id,
+                Directive(
+                    kind=DirectiveKind.DRAIN,
+                    directive_id=uuid.uuid4().hex,
+                    reason=reason or "operator drain",
+                    created_at_ms=self.clock.now_ms(),
+                    issuer="operator",
+                ),
+            )
+        return await self.get(worker_id)
+
+    async def send_directive(self, worker_id: str, directive: Directive) -> tuple[str, bool]:
+        check_id("worker_id", worker_id)
+        validate_directive(directive)
+        rec = await self.store.get(worker_id)
+        if rec is None or rec.state.lease_expires_at_ms < self.clock.now_ms():
+            raise NotFound("worker", worker_id)
+        d = replace(directive, directive_id=uuid.uuid4().hex, created_at_ms=self.clock.now_ms())
+        await self.store.push_directive(worker_id, d)
+        log.info(
+            "directive_queued", worker_id=worker_id, kind=d.kind.value, directive_id=d.directive_id
+        )
+        return d.directive_id, worker_id in self._streams
+
+    # -- reads ------------------------------------------------------------------------------
+
+    async def get(self, worker_id: str) -> WorkerRecord:
+        check_id("worker_id", worker_id)
+        rec = await self.store.get(worker_id)
+        if rec is None or rec.state.lease_expires_at_ms < self.clock.now_ms():
+            raise NotFound("worker", worker_id)
+        return rec
+
+    def health(self, rec: WorkerRecord) -> Health:
+        return rec.health(self.clock.now_ms(), self._interval_for(rec.state.lease_ttl_ms))
+
+    async def list_workers(
+        self, flt: WorkerFilter, page_size: int, page_token: str
+    ) -> tuple[list[WorkerRecord], str, int]:
+        """A page of matching workers in id order, the next page token ('' at the end)."""
+        if page_size == 0:
+            page_size = 100
+        if not 1 <= page_size <= 1000:
+            raise InvalidArgument("page_size", "must be in 1..1000")
+        if page_token:
+            check_id("page_token", page_token)
+        revision = await self.store.revision()
+        out: list[WorkerRecord] = []
+        after = page_token
+        now = self.clock.now_ms()
+        while len(out) < page_size:
+            ids = await self.store.page_ids(after, 256)
+            if not ids:
+                return out, "", revision
+            for rec in await self.store.get_many(ids):
+                if rec.state.lease_expires_at_ms < now:
+                    continue
+                if flt.matches(rec, self.health(rec)):
+                    out.append(rec)
+                    if len(out) == page_size:
+                        break
+            after = out[-1].spec.worker_id if len(out) == page_size else ids[-1]
+        more = await self.store.page_ids(after, 1)
+        return out, (after if more else ""), revision
+
+    async def pools(self, model_id: str) -> tuple[list[PoolSummary], int]:
+        rev, records = await self.store.snapshot()
+        now = self.clock.now_ms()
+        live = [
+            r
+            for r in records
+            if r.state.lease_expires_at_ms >= now and (not model_id or r.spec.model_id == model_id)
+        ]
+        by_interval = {r.spec.worker_id: self._interval_for(r.state.lease_ttl_ms) for r in live}
+        interval = min(by_interval.values(), default=self.heartbeat_interval_ms)
+        return summarize_pools(live, now, interval), rev
+
+    # -- the change feed --------------------------------------------------------------------
+
+    async def watch(self, from_revision: int, model_id: str = "") -> AsyncIterator[WatchEvent]:
+        """Snapshot (or replay from a revision), then live changes, bookmarks when idle."""
+        sub = _Subscriber(self.settings.watch_queue_max)
+        self._subscribers.add(sub)
+        known: set[str] = set()
+
+        def wanted(ev: WatchEvent) -> bool:
+            if not model_id or ev.type in (
+                WatchType.BOOKMARK,
+                WatchType.RESYNC,
+                WatchType.SNAPSHOT_END,
+            ):
+                return True
+            if ev.record is not None:
+                if ev.record.spec.model_id == model_id:
+                    known.add(ev.worker_id)
+                    return True
+                if ev.worker_id in known:  # moved to another model: a deletion for this watcher
+                    known.discard(ev.worker_id)
+                return False
+            if ev.type == WatchType.DELETE:
+                if ev.worker_id in known:
+                    known.discard(ev.worker_id)
+                    return True
+                return False
+            return ev.worker_id in known
+
+        try:
+            last = from_revision
+            if last:
+                current = await self.store.revision()
+                first = await self.store.first_feed_revision()
+                oldest_kept = first - 1 if first is not None else current
+                if last < oldest_kept or last > current:
+                    yield WatchEvent(WatchType.RESYNC, current, reason="revision_unavailable")
+                    last = 0
+            while True:
+                if last == 0:
+                    rev, records = await self.store.snapshot()
+                    now = self.clock.now_ms()
+                    known.clear()
+                    for rec in records:
+                        if rec.state.lease_expires_at_ms < now:
+                            continue
+                        ev = WatchEvent(WatchType.SNAPSHOT, rec.revision, rec.spec.worker_id, rec)
+                        if not model_id or rec.spec.model_id == model_id:
+                            known.add(rec.spec.worker_id)
+                            yield ev
+                    yield WatchEvent(WatchType.SNAPSHOT_END, rev)
+                    last = rev
+                while True:  # catch up from the feed
+                    entries = await self.store.feed_after(last, 1000)
+                    for e in entries:
+                        ev = _entry_event(e)
+                        last = e.revision
+                        if wanted(ev):
+                            yield ev
+                    if len(entries) < 1000:
+                        break
+                resync = False
+                while not resync:
+                    item = await sub.queue.get()
+                    if item is _OVERFLOW:
+                        sub.overflowed = False
+                        resync = True
+                        yield WatchEvent(WatchType.RESYNC, last, reason="watcher_fell_behind")
+                        last = 0
+                        break
+                    ev = item
+                    if ev.type == WatchType.RESYNC:
+                        yield ev
+                        last = 0
+                        resync = True
+                    elif ev.type == WatchType.BOOKMARK:
+                        yield replace(ev, revision=max(ev.revision, last))
+                    elif ev.revision > last:
+                        last = ev.revision
+                        if wanted(ev):
+                            yield ev
+        finally:
+            self._subscribers.discard(sub)
+
+    def _fan_out(self, ev: WatchEvent) -> None:
+        for sub in list(self._subscribers):
+            sub.offer(ev)
+
+    async def _tail_feed(self) -> None:
+        """One blocking reader per replica feeds every watcher."""
+        assert self._tail_client is not None
+        last: int | None = None
+        block_ms = max(50, min(self.settings.bookmark_interval_ms, 1000))
+        while True:
+            try:
+                if last is None:
+                    last = await self.store.revision()
+                entries = await self.store.feed_block(self._tail_client, last, block_ms)
+                if entries:
+                    for e in entries:
+                        self._fan_out(_entry_event(e))
+                    last = entries[-1].revision
+                    continue
+                current = await self.store.revision()
+                if current < last:  # the store lost state: every watcher must start over
+                    log.warning("feed_revision_went_back", was=last, now=current)
+                    self._fan_out(WatchEvent(WatchType.RESYNC, current, reason="store_reset"))
+                    last = current
+                    continue
+                self._fan_out(WatchEvent(WatchType.BOOKMARK, last))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis away: retry; watchers see no bookmarks meanwhile
+                log.warning("feed_tail_failed", error=str(exc))
+                await asyncio.sleep(0.5)
+
+    async def _sweeper(self) -> None:
+        interval_s = self.settings.sweep_interval_ms / 1000
+        while True:
+            await asyncio.sleep(interval_s)
+            now = self.clock.now_ms()
+            try:
+                expired, suspects = await self.store.sweep(
+                    now,
+                    now - 2 * self.heartbeat_interval_ms,
+                    now - self.settings.load_stale_ms,
+                )
+            except Unavailable as exc:
+                log.warning("sweep_failed", error=str(exc))
+                continue
+            for wid in expired:
+                log.info("worker_expired", worker_id=wid)
+                q = self._streams.get(wid)
+                if q is not None:
+                    q.put_nowait(NotFound("worker", wid))
+            for wid in suspects:
+                log.info("worker_suspected", worker_id=wid)
+
+    async def _directive_listener(self) -> None:
+        channel = self.store.keys.directive_channel
+        while True:
+            pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(channel)
+                while True:
+                    msg = await pubsub.get_message(timeout=1.0)
+                    if msg is None:
+                        continue
+                    data = msg.get("data")
+                    wid = data.decode() if isinstance(data, bytes) else str(data)
+                    q = self._streams.get(wid)
+                    if q is not None:
+                        q.put_nowait(_WAKE)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("directive_listener_failed", error=str(exc))
+                await asyncio.sleep(0.5)
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()

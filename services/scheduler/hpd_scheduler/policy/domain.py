@@ -1,0 +1,240 @@
+"""The nouns the policy core decides over: workers, load reports, requests and tiers.
+
+These are plain frozen values, built by the scheduler service from its informer's view of the
+registry, or by the simulator from its own state. Nothing here performs I/O or reads a clock:
+``reported_at_s`` and ``now_s`` are seconds on whatever clock the caller uses (wall clock in
+the service, simulated clock in the simulator); only differences between them matter.
+
+Units are in the names: ``_bytes``, ``_ms``, ``_s``, ``_gbps`` (10^9 bit/s).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from hpd_common.kvformat import KvFormat
+
+from .errors import InvalidInputError
+
+__all__ = [
+    "SCHEDULABLE_HEALTH",
+    "DecisionKind",
+    "Health",
+    "LoadReport",
+    "Mode",
+    "NetworkLocation",
+    "Request",
+    "ResourceNeed",
+    "Role",
+    "Stage",
+    "Tier",
+    "WorkerView",
+]
+
+
+class Stage(enum.StrEnum):
+    """Which stages a worker serves."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    BOTH = "both"
+
+    def serves(self, role: Role) -> bool:
+        """True when a worker of this stage can play ``role`` in a plan."""
+        return self is Stage.BOTH or self.value == role.value
+
+
+class Role(enum.StrEnum):
+    """The role a worker plays in one plan."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class Health(enum.StrEnum):
+    """Health state as the registry reports it.
+
+    Only HEALTHY and SUSPECT workers receive new work; SUSPECT ones (a missed heartbeat) are
+    kept but their stale report lowers their score. DRAINING, CORDONED, UNHEALTHY and EXPIRED
+    workers are never chosen.
+    """
+
+    HEALTHY = "healthy"
+    SUSPECT = "suspect"
+    DRAINING = "draining"
+    CORDONED = "cordoned"
+    UNHEALTHY = "unhealthy"
+    EXPIRED = "expired"
+
+
+SCHEDULABLE_HEALTH: frozenset[Health] = frozenset({Health.HEALTHY, Health.SUSPECT})
+
+
+class ResourceNeed(enum.StrEnum):
+    """The dominant resource pressure of a request (seed 000, classification)."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    SHARED = "shared"
+
+
+class Mode(enum.StrEnum):
+    """How the decode worker obtains the prompt's KV cache.
+
+    TRANSFER: the prefill worker computes it and ships it over the link.
+    RECOMPUTE: the decode worker runs the prefill itself (KV incompatible, or the link is
+    slower than recomputing).
+    SAME_POOL: one worker that serves both stages does both; nothing crosses a link.
+    """
+
+    TRANSFER = "transfer"
+    RECOMPUTE = "recompute"
+    SAME_POOL = "same_pool"
+
+
+class DecisionKind(enum.StrEnum):
+    """Primary route, a reroute away from the normal path, or a rejection."""
+
+    PRIMARY = "primary"
+    REROUTE = "reroute"
+    REJECT = "reject"
+
+
+@dataclass(frozen=True, slots=True)
+class NetworkLocation:
+    """Where a worker is attached: zone / rack / host and its NIC bandwidth (Gb/s)."""
+
+    zone: str = ""
+    rack: str = ""
+    host: str = ""
+    nic_gbps: float = 100.0
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReport:
+    """The last load report a worker sent, as received (not trusted blindly: see staleness).
+
+    Zero means "not reported" for the throughput and latency figures.
+    ``max_queue_depth`` 0 means the worker did not declare a bound.
+    """
+
+    reported_at_s: float
+    queue_depth: int = 0
+    max_queue_depth: int = 0
+    running_prefills: int = 0
+    batch_size: int = 0
+    itl_p50_ms: float = 0.0
+    itl_p99_ms: float = 0.0
+    prefill_tokens_per_s: float = 0.0
+    kv_blocks_free: int = 0
+    kv_blocks_total: int = 0
+    gpu_util: float = 0.0
+    mem_util: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    """One worker as the scheduler sees it: capability record + health + last load report.
+
+    ``kv_total_bytes`` / ``kv_available_bytes``: memory for KV cache on the worker (all its
+    GPUs together). ``pending_*``: reservations the scheduler holds against this worker that the
+    load report cannot show yet (requests planned but not started); they count as load.
+    ``peak_tflops`` / ``hbm_gbps`` override the GPU profile table per GPU when given.
+    ``hard_max_batch_size`` is the ceiling adaptive batching may raise the cap to (0: the
+    current ``max_batch_size`` is also the hard ceiling).
+    """
+
+    worker_id: str
+    pool_id: str
+    stage: Stage
+    model_id: str
+    kv_format: KvFormat
+    endpoint: str = ""
+    model_revision: str = ""
+    gpu_profile: str = "H100-SXM"
+    gpu_count: int = 1
+    tp_size: int = 1
+    kv_total_bytes: int = 0
+    kv_available_bytes: int = 0
+    max_batch_size: int = 256
+    hard_max_batch_size: int = 0
+    location: NetworkLocation = NetworkLocation()
+    health: Health = Health.HEALTHY
+    labels: Mapping[str, str] = field(default_factory=dict)
+    load: LoadReport | None = None
+    pending_requests: int = 0
+    pending_kv_bytes: int = 0
+    pending_prefill_tokens: int = 0
+    peak_tflops: float | None = None
+    hbm_gbps: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One request to place.
+
+    ``prefix_hints``: worker ids or pool ids known to hold a cached prefix of this prompt.
+    ``preferred_pool``: a pool the caller wants (sticky routing); when it cannot execute the
+    request the decision is a REROUTE and the record says why.
+    """
+
+    request_id: str
+    model_id: str
+    prompt_tokens: int
+    expected_output_tokens: int
+    tier: str = "standard"
+    prefix_hints: tuple[str, ...] = ()
+    model_revision: str = ""
+    preferred_pool: str = ""
+
+    def validate(self) -> None:
+        """Raise :class:`InvalidInputError` naming the first bad field."""
+        if not self.request_id:
+            raise InvalidInputError("request_id", "must not be empty")
+        if not self.model_id:
+            raise InvalidInputError("model_id", "must not be empty")
+        if isinstance(self.prompt_tokens, bool) or not isinstance(self.prompt_tokens, int):
+            raise InvalidInputError("prompt_tokens", "must be an integer")
+        if self.prompt_tokens < 1:
+            raise InvalidInputError("prompt_tokens", f"must be >= 1, got {self.prompt_tokens}")
+        if isinstance(self.expected_output_tokens, bool) or not isinstance(
+            self.expected_output_tokens, int
+        ):
+            raise InvalidInputError("expected_output_tokens", "must be an integer")
+        if self.expected_output_tokens < 0:
+            raise InvalidInputError(
+                "expected_output_tokens", f"must be >= 0, got {self.expected_output_tokens}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class Tier:
+    """A named SLO class.
+
+    ``ttft_ms`` / ``tpot_ms``: targets the scorers aim at (TPOT is the per-token interval, the
+    ITL target of seed 001 made per tier). ``queue_budget_ms``: the longest queue wait the tier
+    accepts before the serving action turns to routing or throttling. ``priority``: higher is
+    more important; the lowest-priority tier that ``may_shed`` is shed first.
+    ``hard_ttft_ms``: a route whose estimated TTFT exceeds it is not an executable alternative
+    (None: no hard limit).
+    """
+
+    name: str
+    ttft_ms: float
+    tpot_ms: float
+    queue_budget_ms: float
+    priority: int = 1
+    may_throttle: bool = False
+    may_shed: bool = False
+    hard_ttft_ms: float | None = None
+
+    def validate(self, key_path: str = "tier") -> None:
+        """Raise :class:`InvalidInputError` when a target is not positive."""
+        for name in ("ttft_ms", "tpot_ms", "queue_budget_ms"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise InvalidInputError(f"{key_path}.{name}", f"must be > 0, got {value}")
+        if self.hard_ttft_ms is not None and self.hard_ttft_ms < self.ttft_ms:
+            raise InvalidInputError(f"{key_path}.hard_ttft_ms", "must be >= ttft_ms")

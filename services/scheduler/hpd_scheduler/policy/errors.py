@@ -1,0 +1,43 @@
+"""Typed errors of the policy core.
+
+Every error carries data (the offending field or config key path, the worker id, the reasons),
+so the one translator at the API edge can pick a status code and name the culprit. All of them
+are ``ValueError`` subclasses: bad input to a pure function is a value problem.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ConfigError", "InvalidInputError", "PolicyError", "UnknownPluginError"]
+
+
+class PolicyError(ValueError):
+    """Base class of every error raised by the policy core."""
+
+
+class InvalidInputError(PolicyError):
+    """An argument is out of its domain (negative tokens, zero bandwidth, unknown tier...).
+
+    ``field`` names the argument or request field, for INVALID_ARGUMENT at the edge.
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class ConfigError(PolicyError):
+    """A scheduler profile that cannot be loaded.
+
+    ``key_path`` is the dotted path of the offending key in the YAML document, for example
+    ``profiles.default.decode.scorers[2].weight``, so an operator can find it at once.
+    """
+
+    def __init__(self, key_path: str, message: str) -> None:
+        super().__init__(f"{key_path}: {message}")
+        self.key_path = key_path
+        self.message = message
+
+
+class UnknownPluginError(ConfigError):
+    """A plugin type name that no registered plugin carries."""

@@ -1,0 +1,423 @@
+"""The fleet snapshot: worker views plus the indexes that make one decision cheap.
+
+Built once per fleet change (``Fleet.build``), shared by every decision until the next
+change. What it precomputes, so that a decision never walks the whole fleet:
+
+* per worker: capacity (``capacity.py``), observed corrections, schedulability;
+* per (model, role): the eligible workers, the workers dropped by the static execution gate
+  (health, stage, model, unknown GPU) with their reasons, per-pool reasons, the largest
+  prefill throughput and memory bandwidth (for capacity scorers), aggregate KV memory (for
+  memory pressure);
+* per (model, role, key): the eligible workers sorted by a cheap preselection key, computed
+  lazily on first use. ``top_k`` then scans that order and stops as soon as the next worker's
+  key cannot beat the k-th best found (threshold scan), so a decision touches O(k) workers
+  in the common case and never more than ``max_scan``.
+
+Reservations made after the snapshot was built go through :meth:`Fleet.reserve` /
+:meth:`Fleet.release` (O(1), in place): they only ever add load, so the snapshot's sorted key
+stays a lower bound of a worker's live key and the threshold scan stays exact.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from hpd_common.kvformat import DEFAULT_KV_POLICY, KvFormat, KvPolicy, Negotiation, negotiate
+
+from .capacity import Capacity, StalenessPolicy, capacity_for, confidence, resolve_gpu
+from .domain import SCHEDULABLE_HEALTH, Role, Stage, WorkerView
+from .errors import InvalidInputError
+from .links import Link, LinkModel
+
+__all__ = ["PRESELECT_KEYS", "Fleet", "ModelIndex", "WorkerState"]
+
+_CLAMP_LO, _CLAMP_HI = 0.25, 4.0
+
+
+class WorkerState:
+    """One worker inside a snapshot: its view, capacity, corrections and live reservations.
+
+    Mutable only through :meth:`Fleet.reserve` / :meth:`Fleet.release` (the ``live_*``
+    fields); everything else is fixed for the snapshot's life.
+    """
+
+    __slots__ = (
+        "backlog_tokens",
+        "batch",
+        "cap",
+        "conf",
+        "ctx_tokens",
+        "idx",
+        "kv_avail",
+        "kv_total",
+        "live_kv",
+        "live_reqs",
+        "live_tokens",
+        "m_d",
+        "m_p",
+        "pool_id",
+        "queue",
+        "reported_at_s",
+        "view",
+        "worker_id",
+    )
+
+    def __init__(
+        self,
+        view: WorkerView,
+        cap: Capacity,
+        idx: int,
+        now_s: float,
+        staleness: StalenessPolicy,
+        ref_tokens: int,
+    ) -> None:
+        self.view = view
+        self.cap = cap
+        self.idx = idx
+        self.worker_id = view.worker_id
+        self.pool_id = view.pool_id
+        load = view.load
+        self.reported_at_s = load.reported_at_s if load is not None else None
+        self.conf = confidence(self.reported_at_s, now_s, staleness)
+        queue = load.queue_depth if load is not None else 0
+        running = load.running_prefills if load is not None else 0
+        self.queue = queue + view.pending_requests
+        self.batch = load.batch_size if load is not None else 0
+        self.backlog_tokens = (queue + 0.5 * running) * ref_tokens + (
+            view.pending_prefill_tokens or view.pending_requests * ref_tokens
+        )
+        self.kv_total = view.kv_total_bytes
+        self.kv_avail = max(0, view.kv_available_bytes - view.pending_kv_bytes)
+        used = max(0, view.kv_total_bytes - view.kv_available_bytes)
+        self.ctx_tokens = used / cap.kv_bytes_per_token if cap.kv_bytes_per_token else 0.0
+        c = self.conf
+        m_p = 1.0
+        if load is not None and load.prefill_tokens_per_s > 0 and c > 0:
+            ratio = min(max(cap.prefill_tps / load.prefill_tokens_per_s, _CLAMP_LO), _CLAMP_HI)
+            m_p = c * ratio + (1.0 - c)
+        self.m_p = m_p
+        m_d = 1.0
+        if load is not None and load.itl_p50_ms > 0 and c > 0:
+            nominal = cap.decode_step_ms(max(self.batch, 1), self.ctx_tokens)
+            ratio = min(max(load.itl_p50_ms / nominal, _CLAMP_LO), _CLAMP_HI)
+            m_d = c * ratio + (1.0 - c)
+        self.m_d = m_d
+        self.live_reqs = 0
+        self.live_kv = 0
+        self.live_tokens = 0
+
+    # -- live figures (snapshot + reservations) -------------------------------------------
+
+    def available_kv(self) -> int:
+        """KV bytes free for a new request: reported free minus every reservation."""
+        return self.kv_avail - self.live_kv
+
+    def kv_used_fraction(self) -> float:
+        """Used share of KV memory, reservations included, in [0, 1]."""
+        if self.kv_total <= 0:
+            return 1.0
+        return min(1.0, max(0.0, 1.0 - self.available_kv() / self.kv_total))
+
+    def queue_depth(self) -> int:
+        """Queued requests, reservations included."""
+        return self.queue + self.live_reqs
+
+    def prefill_wait_ms(self) -> float:
+        """Seconds of this worker's own prefill work queued ahead, in ms:
+        ``backlog tokens / (prefill tokens/s) x 1000 x m_p``."""
+        return (self.backlog_tokens + self.live_tokens) / self.cap.prefill_tps * 1000.0 * self.m_p
+
+    def prefill_ms(self, tokens: int) -> float:
+        """This worker's time to prefill ``tokens`` (observed-corrected)."""
+        return self.cap.prefill_ms(tokens) * self.m_p
+
+    def step_ms(self, extra_context_tokens: float = 0.0) -> float:
+        """Predicted decode step (ITL) in ms with ``extra_context_tokens`` more KV resident:
+        ``(weights read + context x kv ms/token) x m_d``."""
+        cap = self.cap
+        return (
+            cap.weights_ms + (self.ctx_tokens + extra_context_tokens) * cap.kv_ms_per_token
+        ) * self.m_d
+
+
+def _key_capacity_prefill(ws: WorkerState, ref_tokens: int) -> float:
+    return ws.prefill_wait_ms() + ws.prefill_ms(ref_tokens)
+
+
+def _key_capacity_decode(ws: WorkerState, ref_tokens: int) -> float:
+    extra = (ws.queue_depth() + 1) * ref_tokens
+    return ws.step_ms(extra) / max(0.05, 1.0 - ws.kv_used_fraction())
+
+
+def _key_blind(ws: WorkerState, ref_tokens: int) -> float:
+    del ref_tokens
+    return ws.queue_depth() + 4.0 * ws.kv_used_fraction()
+
+
+KeyFn = Callable[[WorkerState, int], float]
+
+PRESELECT_KEYS: Mapping[str, tuple[KeyFn, KeyFn]] = {
+    "capacity": (_key_capacity_prefill, _key_capacity_decode),
+    "blind": (_key_blind, _key_blind),
+}
+"""Preselection keys, lower is better, (prefill, decode):
+
+* ``capacity``: prefill = queued work in ms of this worker's throughput + its time for a
+  reference prompt; decode = predicted step ms with the queue admitted, divided by the free
+  KV share (``max(0.05, 1 - used)``) so nearly full workers sink.
+* ``blind``: queue depth + 4 x KV used share, the same for every GPU (capacity-blind, what a
+  plain least-loaded router does).
+
+Both only grow with reservations, which keeps the threshold scan exact.
+"""
+
+
+@dataclass(slots=True)
+class ModelIndex:
+    """Eligible workers of one model for one role, and why the others were dropped."""
+
+    model_id: str
+    role: Role
+    workers: list[WorkerState] = field(default_factory=list)
+    static_drops: list[tuple[str, str, str]] = field(default_factory=list)
+    pools: dict[str, int] = field(default_factory=dict)
+    max_prefill_tps: float = 0.0
+    max_hbm_gbps: float = 0.0
+    kv_total: int = 0
+    kv_avail: int = 0
+    sorted_by: dict[str, list[tuple[float, int, WorkerState]]] = field(default_factory=dict)
+    shared: list[WorkerState] = field(default_factory=list)
+
+    def rejected_pools(self) -> dict[str, tuple[str, ...]]:
+        """Pools with no eligible worker, mapped to the distinct reasons of their workers."""
+        out: dict[str, set[str]] = {}
+        for _wid, pool, reason in self.static_drops:
+            if self.pools.get(pool, 0) == 0:
+                out.setdefault(pool, set()).add(reason)
+        return {p: tuple(sorted(r)) for p, r in out.items()}
+
+
+@lru_cache(maxsize=1024)
+def _negotiate(src: KvFormat, dst: KvFormat, policy: KvPolicy) -> Negotiation:
+    return negotiate(src, dst, policy)
+
+
+class Fleet:
+    """An immutable-by-convention snapshot of the fleet, with indexes (module docstring)."""
+
+    __slots__ = (
+        "_link_cache",
+        "_model_kv",
+        "built_at_s",
+        "by_id",
+        "indexes",
+        "kv_policy",
+        "links",
+        "ref_tokens",
+        "staleness",
+        "states",
+    )
+
+    def __init__(self) -> None:
+        self.states: list[WorkerState] = []
+        self.by_id: dict[str, WorkerState] = {}
+        self.indexes: dict[tuple[str, Role], ModelIndex] = {}
+        self.links = LinkModel()
+        self.kv_policy = DEFAULT_KV_POLICY
+        self.staleness = StalenessPolicy()
+        self.ref_tokens = 1024
+        self.built_at_s = 0.0
+        self._link_cache: dict[tuple[int, int], Link] = {}
+        self._model_kv: dict[str, int] = {}
+
+    @classmethod
+    def build(
+        cls,
+        workers: Iterable[WorkerView],
+        now_s: float,
+        links: LinkModel | None = None,
+        kv_policy: KvPolicy = DEFAULT_KV_POLICY,
+        staleness: StalenessPolicy | None = None,
+        ref_prompt_tokens: int = 1024,
+    ) -> Fleet:
+        """Index ``workers`` as of ``now_s``. Duplicate worker ids raise
+        :class:`InvalidInputError`. Cost: O(N) plus one sort per preselection key used."""
+        fleet = cls()
+        fleet.links = links or LinkModel()
+        fleet.kv_policy = kv_policy
+        fleet.staleness = staleness or StalenessPolicy()
+        fleet.ref_tokens = ref_prompt_tokens
+        fleet.built_at_s = now_s
+        for view in workers:
+            if view.worker_id in fleet.by_id:
+                raise InvalidInputError("worker_id", f"duplicate worker {view.worker_id!r}")
+            gpu = resolve_gpu(view)
+            reason: str | None = None
+            if gpu is None:
+                reason = "unknown_gpu_profile"
+            elif view.health not in SCHEDULABLE_HEALTH:
+                reason = str(view.health.value)
+            ws: WorkerState | None = None
+            if gpu is not None:
+                cap = capacity_for(view, gpu, ref_prompt_tokens)
+                ws = WorkerState(
+                    view, cap, len(fleet.states), now_s, fleet.staleness, ref_prompt_tokens
+                )
+                fleet.states.append(ws)
+                fleet.by_id[view.worker_id] = ws
+            for role in (Role.PREFILL, Role.DECODE):
+                if not view.stage.serves(role):
+                    continue
+                index = fleet.indexes.get((view.model_id, role))
+                if index is None:
+                    index = ModelIndex(view.model_id, role)
+                    fleet.indexes[(view.model_id, role)] = index
+                index.pools.setdefault(view.pool_id, 0)
+                if reason is not None or ws is None:
+                    index.static_drops.append((view.worker_id, view.pool_id, reason or "?"))
+                    continue
+                index.workers.append(ws)
+                index.pools[view.pool_id] += 1
+                index.max_prefill_tps = max(index.max_prefill_tps, ws.cap.prefill_tps)
+                index.max_hbm_gbps = max(index.max_hbm_gbps, ws.cap.hbm_gbps_total)
+                if role is Role.DECODE:
+                    index.kv_total += ws.kv_total
+                    index.kv_avail += ws.kv_avail
+                    if view.stage is Stage.BOTH:
+                        index.shared.append(ws)
+        return fleet
+
+    # -- lookups ----------------------------------------------------------------------------
+
+    def index(self, model_id: str, role: Role) -> ModelIndex | None:
+        """The (model, role) index, None when no worker ever registered for it."""
+        return self.indexes.get((model_id, role))
+
+    def worker(self, worker_id: str) -> WorkerState | None:
+        """A worker's state by id (eligible or not, as long as its GPU resolved)."""
+        return self.by_id.get(worker_id)
+
+    def memory_pressure(self, model_id: str) -> float:
+        """Used / total KV memory over the model's eligible decode workers, reservations
+        included; 1.0 when there is no decode memory at all."""
+        index = self.indexes.get((model_id, Role.DECODE))
+        if index is None or index.kv_total <= 0:
+            return 1.0
+        live = self._model_kv.get(index.model_id, 0)
+        return min(1.0, max(0.0, 1.0 - (index.kv_avail - live) / index.kv_total))
+
+    def link(self, src: WorkerState, dst: WorkerState) -> Link:
+        """Effective link from ``src`` to ``dst`` (cached per pair for this snapshot)."""
+        key = (src.idx, dst.idx)
+        link = self._link_cache.get(key)
+        if link is None:
+            link = self.links.between(src.view, dst.view)[1]
+            self._link_cache[key] = link
+        return link
+
+    def negotiation(self, src: WorkerState, dst: WorkerState) -> Negotiation:
+        """KV negotiation of the pair's formats (shared rules, cached per format pair)."""
+        return _negotiate(src.view.kv_format, dst.view.kv_format, self.kv_policy)
+
+    # -- reservations ---------------------------------------------------------------------------
+
+    def reserve(
+        self, worker_id: str, kv_bytes: int = 0, prefill_tokens: int = 0, requests: int = 1
+    ) -> None:
+        """Count a reservation against a worker until :meth:`release` (O(1)). Unknown ids are
+        ignored (the worker may have left since the plan was made)."""
+        ws = self.by_id.get(worker_id)
+        if ws is None:
+            return
+        ws.live_kv += kv_bytes
+        ws.live_tokens += prefill_tokens
+        ws.live_reqs += requests
+        model = ws.view.model_id
+        self._model_kv[model] = self._model_kv.get(model, 0) + kv_bytes
+
+    def release(
+        self, worker_id: str, kv_bytes: int = 0, prefill_tokens: int = 0, requests: int = 1
+    ) -> None:
+        """Undo :meth:`reserve` (floors at zero)."""
+        ws = self.by_id.get(worker_id)
+        if ws is None:
+            return
+        freed = min(ws.live_kv, kv_bytes)
+        model = ws.view.model_id
+        self._model_kv[model] = max(0, self._model_kv.get(model, 0) - freed)
+        ws.live_kv -= freed
+        ws.live_tokens = max(0, ws.live_tokens - prefill_tokens)
+        ws.live_reqs = max(0, ws.live_reqs - requests)
+
+    # -- preselection -------------------------------------------------------------------------
+
+    def sorted_workers(self, index: ModelIndex, key: str) -> list[tuple[float, int, WorkerState]]:
+        """Eligible workers by snapshot key (built once per snapshot and key)."""
+        rows = index.sorted_by.get(key)
+        if rows is None:
+            fns = PRESELECT_KEYS.get(key)
+            if fns is None:
+                raise InvalidInputError("preselect.key", f"unknown key {key!r}")
+            fn = fns[0] if index.role is Role.PREFILL else fns[1]
+            ref = self.ref_tokens
+            rows = sorted(
+                ((fn(ws, ref), ws.idx, ws) for ws in index.workers), key=lambda r: (r[0], r[1])
+            )
+            index.sorted_by[key] = rows
+        return rows
+
+    def top_k(
+        self,
+        index: ModelIndex,
+        key: str,
+        k: int,
+        drop: Callable[[WorkerState], str | None],
+        max_scan: int,
+    ) -> tuple[list[WorkerState], list[tuple[WorkerState, str]], bool]:
+        """The ``k`` workers with the lowest live key that ``drop`` keeps (returns None).
+
+        Threshold scan over the snapshot order: stops once ``k`` are held and the next
+        snapshot key (a lower bound of its live key) is not lower than the worst held, or after
+        ``max_scan`` workers. Returns (kept in key order, dropped with reasons, truncated).
+        """
+        rows = self.sorted_workers(index, key)
+        fns = PRESELECT_KEYS[key]
+        fn = fns[0] if index.role is Role.PREFILL else fns[1]
+        ref = self.ref_tokens
+        heap: list[tuple[float, int, WorkerState]] = []
+        dropped: list[tuple[WorkerState, str]] = []
+        scanned = 0
+        truncated = False
+        for base, idx, ws in rows:
+            if len(heap) >= k and base >= -heap[0][0]:
+                break
+            if scanned >= max_scan:
+                truncated = True
+                break
+            scanned += 1
+            reason = drop(ws)
+            if reason is not None:
+                dropped.append((ws, reason))
+                continue
+            live = base if (ws.live_reqs == 0 and ws.live_kv == 0) else fn(ws, ref)
+            if len(heap) < k:
+                heapq.heappush(heap, (-live, -idx, ws))
+            elif live < -heap[0][0]:
+                heapq.heapreplace(heap, (-live, -idx, ws))
+        kept = [ws for _, _, ws in sorted(heap, key=lambda r: (-r[0], -r[1]))]
+        return kept, dropped, truncated
+
+    def window(self, index: ModelIndex, start: int, k: int) -> list[WorkerState]:
+        """``k`` eligible workers from position ``start`` (wrapping): round-robin."""
+        n = len(index.workers)
+        if n == 0:
+            return []
+        return [index.workers[(start + i) % n] for i in range(min(k, n))]
+
+
+def kv_bytes_for(ws: WorkerState, tokens: int) -> int:
+    """KV bytes of ``tokens`` tokens in this worker's own format (whole model, all ranks)."""
+    return tokens * ws.cap.kv_bytes_per_token

@@ -1,0 +1,317 @@
+"""The scheduling framework: filters, scorers and pickers, and the registry of their types.
+
+Modelled on the Kubernetes scheduler framework and the inference gateway's endpoint picker:
+
+* a :class:`Filter` keeps some workers and gives a reason for each one it drops;
+* a :class:`Scorer` maps a worker (or a worker and its partner) to a value in [0, 1]; it knows
+  no weight, the profile does;
+* a :class:`Picker` returns its input ranked; the head is the plan, the tail the fallbacks.
+
+Each plugin type has a kebab-case type name, a frozen ``Params`` dataclass of validated
+parameters with defaults, and a docstring with its formula. Profiles (``config.py``) name
+instances of these types and weight the scorers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
+
+from .domain import Mode, Request, ResourceNeed, Role, Tier
+from .errors import ConfigError, UnknownPluginError
+from .fleet import Fleet, ModelIndex, WorkerState
+
+__all__ = [
+    "KEBAB",
+    "Candidate",
+    "Filter",
+    "FilterResult",
+    "NoParams",
+    "Option",
+    "Picker",
+    "Plugin",
+    "PluginRegistry",
+    "RequestContext",
+    "Scorer",
+]
+
+KEBAB = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$")
+
+
+class RequestContext:
+    """Everything a plugin may read about the request being placed (built once per plan)."""
+
+    __slots__ = ("decode_index", "fleet", "need", "now_s", "prefill_index", "request", "tier")
+
+    def __init__(
+        self,
+        request: Request,
+        tier: Tier,
+        need: ResourceNeed,
+        now_s: float,
+        fleet: Fleet,
+        prefill_index: ModelIndex | None,
+        decode_index: ModelIndex | None,
+    ) -> None:
+        self.request = request
+        self.tier = tier
+        self.need = need
+        self.now_s = now_s
+        self.fleet = fleet
+        self.prefill_index = prefill_index
+        self.decode_index = decode_index
+
+
+class Candidate:
+    """A worker considered for one role of one request, with request-specific estimates.
+
+    ``wait_ms``: queued prefill work ahead of this request (prefill role or a local option);
+    ``run_ms``: this worker's prefill time for the prompt; ``step_ms``: predicted decode
+    step with this request added; ``kv_need``: KV bytes of prompt + output in this worker's
+    format. ``factors`` holds the per-scorer values, ``score`` the weighted total of the
+    pair-independent scorers (normalised by their weights).
+    """
+
+    __slots__ = ("factors", "kv_need", "role", "run_ms", "score", "step_ms", "wait_ms", "ws")
+
+    def __init__(self, ws: WorkerState, role: Role, request: Request, ref_tokens: int) -> None:
+        self.ws = ws
+        self.role = role
+        self.wait_ms = ws.prefill_wait_ms()
+        self.run_ms = ws.prefill_ms(request.prompt_tokens)
+        self.kv_need = (request.prompt_tokens + request.expected_output_tokens) * (
+            ws.cap.kv_bytes_per_token
+        )
+        if role is Role.DECODE:
+            # queued sequences get admitted too; this one holds its prompt plus, on average,
+            # half its output
+            extra = ws.queue_depth() * ref_tokens + request.prompt_tokens
+            self.step_ms = ws.step_ms(extra + request.expected_output_tokens * 0.5)
+        else:
+            self.step_ms = 0.0
+        self.factors: dict[str, float] = {}
+        self.score = 0.0
+
+    @property
+    def tiebreak(self) -> str:
+        """Deterministic tie-break: the worker id."""
+        return self.ws.worker_id
+
+
+class Option:
+    """A complete alternative: prefill candidate, decode candidate, hand-off mode, estimates.
+
+    For RECOMPUTE and SAME_POOL the prefill candidate is the decode worker itself.
+    ``ttft_ms`` = prefill wait + prefill time (+ transfer and conversion for TRANSFER).
+    """
+
+    __slots__ = (
+        "conversion_ms",
+        "d",
+        "factors",
+        "kv_reasons",
+        "mode",
+        "p",
+        "recompute_ms",
+        "score",
+        "transfer_ms",
+        "ttft_ms",
+    )
+
+    def __init__(
+        self,
+        p: Candidate,
+        d: Candidate,
+        mode: Mode,
+        transfer_ms: float,
+        recompute_ms: float,
+        conversion_ms: float,
+        ttft_ms: float,
+        kv_reasons: tuple[str, ...] = (),
+    ) -> None:
+        self.p = p
+        self.d = d
+        self.mode = mode
+        self.transfer_ms = transfer_ms
+        self.recompute_ms = recompute_ms
+        self.conversion_ms = conversion_ms
+        self.ttft_ms = ttft_ms
+        self.kv_reasons = kv_reasons
+        self.factors: dict[str, float] = {}
+        self.score = 0.0
+
+    @property
+    def tiebreak(self) -> str:
+        """Deterministic tie-break: prefill id, decode id, mode."""
+        return f"{self.p.ws.worker_id}|{self.d.ws.worker_id}|{self.mode.value}"
+
+
+@dataclass(frozen=True, slots=True)
+class NoParams:
+    """Parameters of a plugin that takes none."""
+
+
+class Plugin:
+    """Base of every plugin: a type name (class attribute), an instance name, parameters."""
+
+    type_name: ClassVar[str] = ""
+    kind: ClassVar[str] = ""
+    Params: ClassVar[type[Any]] = NoParams
+
+    def __init__(self, name: str, params: Any = None) -> None:
+        self.name = name
+        self.params = params if params is not None else self.Params()
+
+
+@dataclass(frozen=True, slots=True)
+class FilterResult:
+    """Workers kept (a subset of the input, order preserved) and a reason per dropped id."""
+
+    kept: list[WorkerState]
+    dropped: dict[str, str]
+
+
+class Filter(Plugin):
+    """Drops workers that cannot take the request; says why for each."""
+
+    kind: ClassVar[str] = "filter"
+    roles: ClassVar[frozenset[Role]] = frozenset({Role.PREFILL, Role.DECODE})
+
+    def drop_reason(self, ws: WorkerState, role: Role, ctx: RequestContext) -> str | None:
+        """A reason code to drop ``ws`` for ``role``, or None to keep it."""
+        raise NotImplementedError
+
+    def filter(
+        self, workers: Sequence[WorkerState], role: Role, ctx: RequestContext
+    ) -> FilterResult:
+        """Apply :meth:`drop_reason` to each worker; never adds a worker."""
+        kept: list[WorkerState] = []
+        dropped: dict[str, str] = {}
+        for ws in workers:
+            reason = self.drop_reason(ws, role, ctx)
+            if reason is None:
+                kept.append(ws)
+            else:
+                dropped[ws.worker_id] = reason
+        return FilterResult(kept, dropped)
+
+
+class Scorer(Plugin):
+    """Maps a candidate to [0, 1]. Pairwise scorers also see the partner and the transfer
+    estimate (None when the partner is not known yet)."""
+
+    kind: ClassVar[str] = "scorer"
+    roles: ClassVar[frozenset[Role]] = frozenset({Role.PREFILL, Role.DECODE})
+    pairwise: ClassVar[bool] = False
+
+    def score(self, c: Candidate, ctx: RequestContext) -> float:
+        """Pair-independent value in [0, 1]."""
+        raise NotImplementedError
+
+    def score_pair(self, c: Candidate, transfer_ms: float | None, ctx: RequestContext) -> float:
+        """Pair-dependent value in [0, 1] (pairwise scorers only)."""
+        raise NotImplementedError
+
+
+class _Scored(Protocol):
+    score: float
+
+    @property
+    def tiebreak(self) -> str: ...
+
+
+T = TypeVar("T", bound=_Scored)
+
+
+class Picker(Plugin, Generic[T]):
+    """Ranks scored items; returns a permutation of (a subset of) its input."""
+
+    kind: ClassVar[str] = "picker"
+
+    def rank(self, items: Sequence[T], rng: random.Random) -> list[T]:
+        """Best first."""
+        raise NotImplementedError
+
+
+PluginFactory = Callable[[str, Any], Plugin]
+
+
+class PluginRegistry:
+    """Plugin types by kebab-case type name; refuses duplicates and malformed names."""
+
+    def __init__(self) -> None:
+        self._types: dict[str, type[Plugin]] = {}
+
+    def register(self, cls: type[Plugin]) -> type[Plugin]:
+        """Add a plugin class (usable as a decorator)."""
+        name = cls.type_name
+        if not KEBAB.match(name):
+            raise ConfigError(f"plugin_types.{name or '?'}", "type name must be kebab-case")
+        if name in self._types:
+            raise ConfigError(f"plugin_types.{name}", "duplicate plugin type name")
+        self._types[name] = cls
+        return cls
+
+    def get(self, type_name: str, key_path: str) -> type[Plugin]:
+        """The class for ``type_name``; :class:`UnknownPluginError` naming ``key_path``."""
+        cls = self._types.get(type_name)
+        if cls is None:
+            raise UnknownPluginError(
+                key_path, f"unknown plugin type {type_name!r}; known: {sorted(self._types)}"
+            )
+        return cls
+
+    def names(self) -> list[str]:
+        """Registered type names, sorted."""
+        return sorted(self._types)
+
+    def create(self, type_name: str, name: str, params: dict[str, Any], key_path: str) -> Plugin:
+        """Instantiate with validated params (unknown or ill-typed params name their key)."""
+        cls = self.get(type_name, f"{key_path}.type")
+        return cls(name, build_params(cls.Params, params, f"{key_path}.params"))
+
+
+def build_params(params_cls: type[Any], raw: dict[str, Any], key_path: str) -> Any:
+    """Build a ``Params`` dataclass from a mapping, checking names and types; the dataclass's
+    own ``__post_init__`` checks ranges (a ``ValueError`` there names the field)."""
+    if not isinstance(raw, dict):
+        raise ConfigError(key_path, "params must be a mapping")
+    fields = {f.name: f for f in dataclasses.fields(params_cls)}
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        f = fields.get(key)
+        if f is None:
+            raise ConfigError(f"{key_path}.{key}", f"unknown parameter; known: {sorted(fields)}")
+        default = f.default if f.default is not dataclasses.MISSING else None
+        values[key] = _coerce(value, default, f"{key_path}.{key}")
+    try:
+        return params_cls(**values)
+    except ValueError as exc:
+        field = getattr(exc, "field", None) or (str(exc).split(":")[0] if ":" in str(exc) else "")
+        raise ConfigError(
+            f"{key_path}.{field}" if field in fields else key_path, str(exc)
+        ) from None
+
+
+def _coerce(value: Any, default: Any, key_path: str) -> Any:
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ConfigError(key_path, f"must be a boolean, got {value!r}")
+        return value
+    if isinstance(default, int):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(key_path, f"must be an integer, got {value!r}")
+        return value
+    if isinstance(default, float):
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(key_path, f"must be a number, got {value!r}")
+        return float(value)
+    if isinstance(default, str):
+        if not isinstance(value, str):
+            raise ConfigError(key_path, f"must be a string, got {value!r}")
+        return value
+    return value

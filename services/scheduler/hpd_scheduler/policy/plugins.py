@@ -1,0 +1,461 @@
+"""The built-in plugin types. Each docstring states its formula; scores are in [0, 1].
+
+Seed-faithful scorers carry a ``seed-`` prefix and reproduce seed 001's shapes (with the
+normalisations ``factors.py`` documents); the others are our capacity-aware replacements:
+they measure load in time on the worker's own hardware and compare it with the request's
+tier budgets.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+from .domain import Role
+from .errors import InvalidInputError
+from .factors import (
+    batch_score,
+    budget_score,
+    itl_score,
+    memory_gate_ok,
+    memory_score,
+    seed_compute_score,
+    seed_load_score,
+    seed_network_score,
+    seed_queue_score,
+)
+from .fleet import WorkerState
+from .framework import (
+    Candidate,
+    Filter,
+    Picker,
+    PluginRegistry,
+    RequestContext,
+    Scorer,
+    T,
+)
+
+__all__ = ["REGISTRY"]
+
+REGISTRY = PluginRegistry()
+"""The default registry holding every built-in plugin type."""
+
+_PREFILL = frozenset({Role.PREFILL})
+_DECODE = frozenset({Role.DECODE})
+
+
+# -- filters --------------------------------------------------------------------------------
+
+
+@REGISTRY.register
+class ExecutionGateFilter(Filter):
+    """Execution compatibility per request: the stage is served (``unsupported_stage``) and,
+    when the request pins a model revision, the worker runs it (``model_revision_mismatch``).
+    Health, model and GPU are gated once per snapshot by the fleet index."""
+
+    type_name: ClassVar[str] = "execution-gate-filter"
+
+    def drop_reason(self, ws: WorkerState, role: Role, ctx: RequestContext) -> str | None:
+        if not ws.view.stage.serves(role):
+            return "unsupported_stage"
+        rev = ctx.request.model_revision
+        if rev and ws.view.model_revision != rev:
+            return "model_revision_mismatch"
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryParams:
+    """``headroom``: required free KV = request KV x headroom (seed: 1.2)."""
+
+    headroom: float = 1.2
+
+    def __post_init__(self) -> None:
+        if not self.headroom >= 1.0:
+            raise InvalidInputError("headroom", f"must be >= 1, got {self.headroom}")
+
+
+@REGISTRY.register
+class DecodeMemoryFilter(Filter):
+    """Seed decode gate: drop (``insufficient_memory``) when
+    ``available KV - reservations < (prompt + output) x bytes/token x headroom``."""
+
+    type_name: ClassVar[str] = "decode-memory-filter"
+    Params = MemoryParams
+    roles: ClassVar[frozenset[Role]] = _DECODE
+
+    def drop_reason(self, ws: WorkerState, role: Role, ctx: RequestContext) -> str | None:
+        r = ctx.request
+        need = (r.prompt_tokens + r.expected_output_tokens) * ws.cap.kv_bytes_per_token
+        if not memory_gate_ok(ws.available_kv(), need, self.params.headroom):
+            return "insufficient_memory"
+        return None
+
+
+@REGISTRY.register
+class QueueCapacityFilter(Filter):
+    """Drop (``queue_full``) when the worker declared a queue bound and its queue (with
+    reservations) has reached it."""
+
+    type_name: ClassVar[str] = "queue-capacity-filter"
+
+    def drop_reason(self, ws: WorkerState, role: Role, ctx: RequestContext) -> str | None:
+        load = ws.view.load
+        if (
+            load is not None
+            and load.max_queue_depth > 0
+            and ws.queue_depth() >= load.max_queue_depth
+        ):
+            return "queue_full"
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class StalenessParams:
+    """``max_age_s``: older reports drop the worker; ``require_report``: drop workers that
+    never reported."""
+
+    max_age_s: float = 30.0
+    require_report: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.max_age_s > 0:
+            raise InvalidInputError("max_age_s", f"must be > 0, got {self.max_age_s}")
+
+
+@REGISTRY.register
+class StalenessFilter(Filter):
+    """Drop (``stale_load_report``) when ``now - reported_at > max_age_s``; below that bound
+    staleness only lowers the score (``staleness-scorer``)."""
+
+    type_name: ClassVar[str] = "staleness-filter"
+    Params = StalenessParams
+
+    def drop_reason(self, ws: WorkerState, role: Role, ctx: RequestContext) -> str | None:
+        if ws.reported_at_s is None:
+            return "no_load_report" if self.params.require_report else None
+        if ctx.now_s - ws.reported_at_s > self.params.max_age_s:
+            return "stale_load_report"
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class LabelParams:
+    """``match``: comma-separated ``key=value`` pairs every kept worker must carry."""
+
+    match: str = ""
+
+    def __post_init__(self) -> None:
+        for part in filter(None, (p.strip() for p in self.match.split(","))):
+            if "=" not in part:
+                raise InvalidInputError("match", f"expected key=value, got {part!r}")
+
+
+@REGISTRY.register
+class LabelSelectorFilter(Filter):
+    """Keep workers whose labels contain every ``key=value`` of ``match``
+    (``label_mismatch`` otherwise)."""
+
+    type_name: ClassVar[str] = "label-selector-filter"
+    Params = LabelParams
+
+    def __init__(self, name: str, params: LabelParams | None = None) -> None:
+        super().__init__(name, params)
+        pairs = [p.strip().split("=", 1) for p in self.params.match.split(",") if p.strip()]
+        self._pairs = [(k.strip(), v.strip()) for k, v in pairs]
+
+    def drop_reason(self, ws: WorkerState, role: Role, ctx: RequestContext) -> str | None:
+        labels = ws.view.labels
+        for k, v in self._pairs:
+            if labels.get(k) != v:
+                return "label_mismatch"
+        return None
+
+
+# -- scorers --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SeedComputeParams:
+    """``max_gpus``: the GPU count whose sqrt normalises the seed's raw compute value."""
+
+    max_gpus: int = 8
+
+    def __post_init__(self) -> None:
+        if self.max_gpus < 1:
+            raise InvalidInputError("max_gpus", f"must be >= 1, got {self.max_gpus}")
+
+
+@REGISTRY.register
+class SeedComputeScorer(Scorer):
+    """Seed compute factor: GPU-name table x (0.85 if TP > 1) x sqrt(GPUs) / sqrt(max_gpus)."""
+
+    type_name: ClassVar[str] = "seed-compute-scorer"
+    Params = SeedComputeParams
+
+    def score(self, c: Candidate, ctx: RequestContext) -> float:
+        v = c.ws.view
+        return seed_compute_score(v.gpu_profile, v.tp_size, v.gpu_count, self.params.max_gpus)
+
+
+@REGISTRY.register
+class CapacityComputeScorer(Scorer):
+    """``prefill tokens/s of this worker (perf model x observed) / the fastest eligible
+    prefill worker's``, capped at 1: the model-specific speed, not a GPU-name table."""
+
+    type_name: ClassVar[str] = "capacity-compute-scorer"
+
+    def score(self, c: Candidate, ctx: RequestContext) -> float:
+        index = ctx.prefill_index
+        best = index.max_prefill_tps if index is not None and index.max_prefill_tps > 0 else 0.0
+        tps = c.ws.cap.prefill_tps / c.ws.m_p
+        if best <= 0:
+            return 1.0
+        return min(1.0, tps / best)
+
+
+@REGISTRY.register
+class SeedLoadScorer(Scorer):
+    """Seed load factor ``1 - (0.6 gpu_util + 0.4 mem_util)``; 0.5 without a report."""
+
+    type_name: ClassVar[str] = "seed-load-scorer"
+
+    def score(self, c: Candidate, ctx: RequestContext) -> float:
+        load = c.ws.view.load
+        if load is None:
+            return 0.5
+        return seed_load_score(load.gpu_util, load.mem_util)
+
+
+@REGISTRY.register
+class WorkLoadScorer(Scorer):
+    """Capacity-normalised load: the request's TTFT on this worker, ``wait + prefill`` in ms
+    of the worker's own throughput, against the tier's TTFT target:
+    ``ttft / (ttft + wait_ms + run_ms)``. An H100 with 8 queued beats an L4 with 6."""
+
+    type_name: ClassVar[str] = "work-load-scorer"
+
+    def score(self, c: Candidate, ctx: RequestContext) -> float:
+        return budget_score(c.wait_ms + c.run_ms, ctx.tier.ttft_ms)
+
+
+@REGISTRY.register
+class SeedQueueScorer(Scorer):
+    """Seed queue factor ``1 - min(queue / max_queue, 1)`` (reservations count as queued)."""
+
+    type_name: ClassVar[str] = "seed-queue-scorer"
+
+    def score(self, c: Candidate, ctx: RequestContext) -> float:
+        load = c.ws.view.load
+        return seed_queue_score(c.ws.queue_depth(), load.max_queue_depth if load else 0)
+
+
+@REGISTRY.register
+class QueueWaitScorer(Scorer):
+    """Queue wait in ms of this worker's own work against the tier's queue budget:
+    ``budget / (budget + wait_ms)``."""
+
+    type_name: ClassVar[str] = "queue-wait-scorer"
+
+    def score(self, c: Candidate, ctx: RequestContext) -> float:
+        return budget_score(c.wait_ms, ctx.tier.queue_budget_ms)
+
+
+@REGISTRY.register
+class SeedNetworkScorer(Scorer):
+    """Seed network factor ``max(0, 1 - transfer_ms / 100)``; 0.5 when the partner is not
+    known yet (the seed's default)."""
+
+    type_name: ClassVar[str] = "seed-network-scorer"
+    pairwise: ClassVar[bool] = True
+
+    def score_pair(self, c: Candidate, transfer_ms: float | None, ctx: RequestContext) -> float:
+        if transfer_ms is None:
+            return 0.5
+        return seed_network_score(transfer_ms)
+
+
+@dataclass(frozen=True, slots=True)
+class LinkParams:
+    """``budget_fraction``: share of the tier's TTFT target the hand-off may use."""
+
+    budget_fraction: float = 0.25
+
+    def __post_init__(self) -> None:
+        if not 0 < self.budget_fraction <= 1:
+            raise InvalidInputError("budget_fraction", "must be in (0, 1]")
+
+
+@REGISTRY.register
+class LinkTransferScorer(Scorer):
+    """The hand-off over the pair's real link (bytes x 8 / Gb/s + latency + conversion)
+    against a share of the tier's TTFT: ``B / (B + transfer_ms)``, ``B = ttft x fraction``;
+    1 when nothing crosses a link, 0.5 when the partner is unknown."""
+
+    type_name: ClassVar[str] = "link-transfer-scorer"
+    Params = LinkParams
+    pairwise: ClassVar[bool] = True
+
+    def score_pair(self, c: Candidate, transfer_ms: float | None, ctx: RequestContext) -> float:
+        if transfer_ms is None:
+            return 0.5
+        return budget_score(transfer_ms, ctx.tier.ttft_ms * self.params.budget_fraction)
+
+
+@REGISTRY.register
+class SeedModelScorer(Scorer):
+    """Seed model factor: 1 when the model (and pinned revision) is loaded, 0.5 when only a
+    different revision is (it could load it). The index only holds workers with the model."""
+
+    type_name: ClassVar[str] = "seed-model-scorer"
+
+    def score(self, c: Candidate, ctx: RequestContext) -> float:
+        rev = ctx.request.model_revision
+        return 1.0 if not rev or c.ws.view.model_revision == rev else 0.5
+
+
+@REGISTRY.register
+class PrefixCacheScorer(Scorer):
+    """Model/prefix cache factor: 1 when the worker or its pool is named in the request's
+    prefix hints, 0.5 when hints name others, 1 for everyone without hints."""
+
+    type_name: ClassVar[str] = "prefix-cache-scorer"
+
+    def score(self, c: Candidate, ctx: RequestContext) -> float:
+        hints = ctx.request.prefix_hints
+        if not hints:
+            return 1.0
+        return 1.0 if c.ws.worker_id in hints or c.ws.pool_id in hints else 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class SeedItlParams:
+    """``target_ms``: the seed's one global ITL target."""
+
+    target_ms: float = 50.0
+
+    def __post_init__(self) -> None:
+        if not self.target_ms > 0:
+            raise InvalidInputError("target_ms", "must be > 0")
+
+
+@REGISTRY.register
+class SeedItlScorer(Scorer):
+    """Seed ITL factor on the current ITL (reported p50, else the perf model's step) with
+    one global target (50 ms), divided by 1.2 (``factors.itl_score``)."""
+
+    type_name: ClassVar[str] = "seed-itl-scorer"
+    Params = SeedItlParams
+    roles: ClassVar[frozenset[Role]] = _DECODE
+
+    def score(self, c: Candidate, ctx: RequestContext) -> float:
+        load = c.ws.view.load
+        itl = load.itl_p50_ms if load is not None and load.itl_p50_ms > 0 else c.ws.step_ms()
+        return itl_score(itl, self.params.target_ms)
+
+
+@REGISTRY.register
+class TierItlScorer(Scorer):
+    """ITL factor with the seed's shape but per tier and predictive: the worker's step time
+    with this request (and its queue) admitted, from its own HBM bandwidth and KV, against the
+    tier's TPOT target."""
+
+    type_name: ClassVar[str] = "tier-itl-scorer"
+    roles: ClassVar[frozenset[Role]] = _DECODE
+
+    def score(self, c: Candidate, ctx: RequestContext) -> float:
+        return itl_score(c.step_ms, ctx.tier.tpot_ms)
+
+
+@REGISTRY.register
+class MemoryScorer(Scorer):
+    """Seed memory factor on ``(available KV - reservations) / request KV``: 0 below 1.2,
+    linear to 0.5 at 2, to 1 at 6 (``factors.memory_score``)."""
+
+    type_name: ClassVar[str] = "memory-scorer"
+    roles: ClassVar[frozenset[Role]] = _DECODE
+
+    def score(self, c: Candidate, ctx: RequestContext) -> float:
+        return memory_score(c.ws.available_kv(), c.kv_need)
+
+
+@REGISTRY.register
+class BatchScorer(Scorer):
+    """Seed batch factor: ideal batch at 70 % of max, ``1 - |batch - ideal| / ideal``
+    (reservations count into the batch)."""
+
+    type_name: ClassVar[str] = "batch-scorer"
+    roles: ClassVar[frozenset[Role]] = _DECODE
+
+    def score(self, c: Candidate, ctx: RequestContext) -> float:
+        ws = c.ws
+        return batch_score(ws.batch + ws.live_reqs, ws.view.max_batch_size)
+
+
+@REGISTRY.register
+class BandwidthScorer(Scorer):
+    """Memory bandwidth factor: the worker's total HBM GB/s over the best eligible decode
+    worker's, scaled by ``1 - 0.5 gpu_util`` (bandwidth already in use is not on offer)."""
+
+    type_name: ClassVar[str] = "bandwidth-scorer"
+    roles: ClassVar[frozenset[Role]] = _DECODE
+
+    def score(self, c: Candidate, ctx: RequestContext) -> float:
+        index = ctx.decode_index
+        best = index.max_hbm_gbps if index is not None else 0.0
+        if best <= 0:
+            return 1.0
+        load = c.ws.view.load
+        util = min(max(load.gpu_util, 0.0), 1.0) if load is not None else 0.0
+        return min(1.0, c.ws.cap.hbm_gbps_total / best) * (1.0 - 0.5 * util)
+
+
+@REGISTRY.register
+class StalenessScorer(Scorer):
+    """Confidence in the worker's load report: 1 while fresh, falling linearly to 0 between
+    the fleet's ``fresh_s`` and ``stale_s`` (``capacity.confidence``), evaluated at the
+    decision's ``now``."""
+
+    type_name: ClassVar[str] = "staleness-scorer"
+
+    def score(self, c: Candidate, ctx: RequestContext) -> float:
+        from .capacity import confidence
+
+        return confidence(c.ws.reported_at_s, ctx.now_s, ctx.fleet.staleness)
+
+
+# -- pickers --------------------------------------------------------------------------------
+
+
+@REGISTRY.register
+class MaxScorePicker(Picker[T]):
+    """Highest score first; ties by id (deterministic)."""
+
+    type_name: ClassVar[str] = "max-score-picker"
+
+    def rank(self, items: Sequence[T], rng: random.Random) -> list[T]:
+        return sorted(items, key=lambda it: (-it.score, it.tiebreak))
+
+
+@REGISTRY.register
+class RandomPicker(Picker[T]):
+    """Uniformly random order from the injected RNG (the random baseline)."""
+
+    type_name: ClassVar[str] = "random-picker"
+
+    def rank(self, items: Sequence[T], rng: random.Random) -> list[T]:
+        out = list(items)
+        rng.shuffle(out)
+        return out
+
+
+@REGISTRY.register
+class RoundRobinPicker(Picker[T]):
+    """Keeps the preselection order (a rotating window): the round-robin baseline."""
+
+    type_name: ClassVar[str] = "round-robin-picker"
+
+    def rank(self, items: Sequence[T], rng: random.Random) -> list[T]:
+        return list(items)
