@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
+
 from hpd_common.gpus import GPU_ALIASES, GPU_PROFILES, GpuProfile, UnknownGpuError, gpu_profile
 
 REQUIRED = ["H100-SXM", "H200", "A100-80G", "A100-40G", "L40S", "L4", "A10G", "H20", "MI300X"]

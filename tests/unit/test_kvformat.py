@@ -7,6 +7,9 @@ import math
 from typing import Any, cast
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
 from hpd_common.kvformat import (
     GIB,
     MAX_BLOCK_SIZE_TOKENS,
@@ -20,8 +23,6 @@ from hpd_common.kvformat import (
     Verdict,
     negotiate,
 )
-from hypothesis import given
-from hypothesis import strategies as st
 
 KIB = 1024
 

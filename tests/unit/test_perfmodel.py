@@ -14,6 +14,9 @@ import dataclasses
 from collections.abc import Callable
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
 from hpd_common.gpus import GPU_PROFILES, GpuProfile
 from hpd_common.kvformat import KvDtype, Verdict, negotiate
 from hpd_common.perfmodel import (
@@ -30,8 +33,6 @@ from hpd_common.perfmodel import (
     prefill_tokens_per_s,
     tp_efficiency_factor,
 )
-from hypothesis import given
-from hypothesis import strategies as st
 
 KIB = 1024
 L8, L70 = MODELS["llama-3-8b"], MODELS["llama-3-70b"]

@@ -426,6 +426,28 @@ class StalenessScorer(Scorer):
         return confidence(c.ws.reported_at_s, ctx.now_s, ctx.fleet.staleness)
 
 
+@REGISTRY.register
+class BlindLoadScorer(Scorer):
+    """Capacity-blind least-loaded: ``1 / (1 + queue + 4 x KV used share)``, the same for an
+    L4 and an H100 (the baseline plain least-loaded routers implement)."""
+
+    type_name: ClassVar[str] = "blind-load-scorer"
+
+    def score(self, c: Candidate, ctx: RequestContext) -> float:
+        ws = c.ws
+        return 1.0 / (1.0 + ws.queue_depth() + 4.0 * ws.kv_used_fraction())
+
+
+@REGISTRY.register
+class UniformScorer(Scorer):
+    """Always 1: no preference (round-robin and random baselines)."""
+
+    type_name: ClassVar[str] = "uniform-scorer"
+
+    def score(self, c: Candidate, ctx: RequestContext) -> float:
+        return 1.0
+
+
 # -- pickers --------------------------------------------------------------------------------
 
 

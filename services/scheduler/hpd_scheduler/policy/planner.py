@@ -1,0 +1,486 @@
+"""The planner: one request in, one decision out. Pure and synchronous; the fleet snapshot,
+the time and the random generator come in as arguments.
+
+Stages of :meth:`Planner.plan`:
+
+1. validate the request, resolve its tier, classify its resource need (seed 000);
+2. memory pressure of the model's decode workers and the serving ladder (``serving.py``);
+3. preselect the top-k decode and prefill workers from the snapshot's indexes, applying the
+   profile's per-request filters to the workers scanned (``Fleet.top_k``);
+4. score each candidate with the pair-independent scorers, once;
+5. build options and score them with the pairwise (link) scorers:
+
+   * ``joint``: every prefill x decode pair of the two top-k lists, plus a local option on
+     each decode worker (SAME_POOL when it serves both stages, else RECOMPUTE). A pair is a
+     TRANSFER option only when the KV formats negotiate and (``handoff: ttft``) its TTFT,
+     ``wait_p + prefill_p + transfer + conversion``, is not above the local option's
+     ``wait_d + recompute_d``; otherwise recomputing on the decode worker is at least as fast
+     and the local option covers it. Pair score = ``w_P x P(p, link) + w_D x D(d, link)``,
+     side weights by resource need (prefill-heavy requests weigh the prefill side more);
+   * ``independent`` (seed and the baselines): prefill ranked alone (link unknown: the
+     seed's 0.5), then decode ranked with the chosen prefill worker's link; hand-off by the
+     seed rule (transfer when ``transfer_ms <= recompute_ms``, ``handoff: seed``) or by TTFT;
+   * ``colocated``: only local options on workers serving both stages;
+
+6. drop options above the tier's hard TTFT limit; rank the rest with the picker; apply the
+   ladder (throttle, fallback to a shared pool, shed); build the fallback chain.
+
+Work per request is O(k^2) scoring plus an O(k)-ish threshold scan: independent of fleet
+size up to the scan bound.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from .config import Profile
+from .decision import (
+    Decision,
+    DecisionRecord,
+    Estimates,
+    FallbackStep,
+    RejectClass,
+    RoutePlan,
+)
+from .domain import DecisionKind, Mode, Request, ResourceNeed, Role, Stage, Tier
+from .fleet import Fleet, ModelIndex, WorkerState
+from .framework import Candidate, Option, RequestContext
+from .mechanisms import classify_need
+from .serving import Action, Protects, ServingAction, select_action
+
+__all__ = ["Planner"]
+
+_NO_ACTION = ServingAction(Action.KEEP_HETEROGENEOUS_ROUTE, Protects.THROUGHPUT)
+
+
+class Planner:
+    """Runs one :class:`~.config.Profile`. Holds only the round-robin cursors (state the
+    round-robin baseline needs); everything else comes in per call."""
+
+    __slots__ = ("_cursor", "profile")
+
+    def __init__(self, profile: Profile) -> None:
+        self.profile = profile
+        self._cursor: dict[tuple[str, Role], int] = {}
+
+    # -- public -------------------------------------------------------------------------------
+
+    def plan(self, request: Request, fleet: Fleet, now_s: float, rng: random.Random) -> Decision:
+        """Decide where ``request`` runs. Raises :class:`~.errors.InvalidInputError` for a bad
+        request or unknown tier; every other outcome (including reject) is a Decision."""
+        prof = self.profile
+        request.validate()
+        tier = prof.tier(request.tier)
+        need = classify_need(request.prompt_tokens, request.expected_output_tokens,
+                             prof.long_prompt_tokens, prof.long_decode_tokens)
+        pidx = fleet.index(request.model_id, Role.PREFILL)
+        didx = fleet.index(request.model_id, Role.DECODE)
+        ctx = RequestContext(request, tier, need, now_s, fleet, pidx, didx)
+        pressure = fleet.memory_pressure(request.model_id)
+        wp, wd = prof.side_weights[need]
+        record = DecisionRecord(
+            profile=prof.name,
+            tier=tier.name,
+            memory_pressure=pressure,
+            prefill_weights=prof.prefill.weights(),
+            decode_weights=prof.decode.weights(),
+            side_weights=(wp, wd),
+        )
+        if didx is not None:
+            record.rejected_pools.update(didx.rejected_pools())
+            record.rejected_workers.extend(didx.static_drops[:64])
+        if didx is None or not didx.workers:
+            reason = "no_worker_for_model" if didx is None else "no_executable_pool"
+            return self._reject(request, need, _NO_ACTION, (reason, "no_executable_pool")
+                                if reason != "no_executable_pool" else (reason,),
+                                RejectClass.NO_CAPABLE_WORKER, None, record)
+
+        colocated = prof.pairing == "colocated"
+        dcands = self._preselect(didx, Role.DECODE, ctx, rng, record, colocated)
+        pcands: list[Candidate] = []
+        if prof.pairing != "colocated" and pidx is not None and pidx.workers:
+            pcands = self._preselect(pidx, Role.PREFILL, ctx, rng, record, False)
+        record.decode_candidates = dcands
+        record.prefill_candidates = pcands
+
+        if not dcands:
+            cls = RejectClass.SATURATED
+            if colocated and not didx.shared:
+                cls = RejectClass.NO_CAPABLE_WORKER
+            return self._reject(request, need, _NO_ACTION, ("no_executable_pool",), cls,
+                                self._retry_ms(tier), record)
+
+        if prof.pairing == "independent":
+            options = self._independent(pcands, dcands, ctx, rng)
+        else:
+            options = self._joint(pcands, dcands, ctx, wp, wd, colocated)
+        record.options = options
+
+        hard = tier.hard_ttft_ms
+        if hard is not None:
+            ok = [o for o in options if o.ttft_ms <= hard]
+            if not ok:
+                record.notes.append(f"all_options_exceed_hard_ttft_ms:{hard:g}")
+                return self._reject(request, need, _NO_ACTION, ("exceeds_hard_ttft",),
+                                    RejectClass.SATURATED, self._retry_ms(tier), record)
+            options = ok
+
+        if prof.pairing == "independent":
+            ranked = options  # already in picker order
+        else:
+            ranked = prof.picker.rank(options, rng)
+
+        best = ranked[0]
+        action = select_action(pressure, best.p.wait_ms, tier.queue_budget_ms, prof.ladder)
+
+        # the ladder, in order: shed, throttle (refusals), then the shared-pool fallback
+        if action.took(Action.SHED_LOWEST_TIER) and tier.may_shed and (
+            prof.lowest_sheddable_tier() == tier.name
+        ):
+            return self._reject(request, need, action, ("shed_lowest_tier",), RejectClass.SHED,
+                                self._retry_ms(tier), record)
+        if action.took(Action.THROTTLE_ADMISSION) and tier.may_throttle:
+            return self._reject(request, need, action, ("throttle_admission",),
+                                RejectClass.THROTTLED, self._retry_ms(tier), record)
+
+        kind = DecisionKind.PRIMARY
+        if action.took(Action.FALLBACK_TO_SHARED):
+            shared = [o for o in ranked if o.mode is Mode.SAME_POOL]
+            if shared:
+                if shared[0] is not ranked[0]:
+                    kind = DecisionKind.REROUTE
+                ranked = shared + [o for o in ranked if o.mode is not Mode.SAME_POOL]
+            else:
+                record.notes.append("no_shared_pool")
+
+        if request.preferred_pool:
+            preferred = [o for o in ranked if o.d.ws.pool_id == request.preferred_pool]
+            if preferred:
+                ranked = preferred + [o for o in ranked if o.d.ws.pool_id != request.preferred_pool]
+            else:
+                kind = DecisionKind.REROUTE
+                reasons = record.rejected_pools.get(request.preferred_pool)
+                if reasons is None:
+                    drops = {r for w, p, r in record.rejected_workers if p == request.preferred_pool}
+                    reasons = tuple(sorted(drops)) or ("not_selected",)
+                    record.rejected_pools[request.preferred_pool] = reasons
+
+        chosen = ranked[0]
+        plan = self._plan_of(chosen, request, need)
+        chain = self._chain(chosen, ranked[1:], tier)
+        return Decision(
+            request_id=request.request_id,
+            kind=kind,
+            resource_need=need,
+            action=action,
+            plan=plan,
+            fallbacks=chain,
+            reject_reasons=(),
+            reject_class=None,
+            retry_after_ms=None,
+            record=record,
+        )
+
+    # -- stages -------------------------------------------------------------------------------
+
+    def _preselect(self, index: ModelIndex, role: Role, ctx: RequestContext,
+                   rng: random.Random, record: DecisionRecord,
+                   colocated: bool) -> list[Candidate]:
+        prof = self.profile
+        side = prof.prefill if role is Role.PREFILL else prof.decode
+        filters = side.filters
+        k = prof.top_k_prefill if role is Role.PREFILL else prof.top_k_decode
+
+        def drop(ws: WorkerState) -> str | None:
+            if colocated and ws.view.stage is not Stage.BOTH:
+                return "not_colocated"
+            for f in filters:
+                reason = f.drop_reason(ws, role, ctx)
+                if reason is not None:
+                    return reason
+            return None
+
+        mode = prof.preselect
+        dropped: list[tuple[WorkerState, str]]
+        if mode in ("capacity", "blind"):
+            kept, dropped, truncated = ctx.fleet.top_k(index, mode, k, drop, prof.max_scan)
+            if truncated:
+                record.notes.append(f"{role.value}_scan_truncated_at_{prof.max_scan}")
+        else:
+            kept, dropped = self._scan_order(index, role, ctx, rng, k, drop, mode)
+        for ws, reason in dropped[:64]:
+            record.rejected_workers.append((ws.worker_id, ws.pool_id, reason))
+
+        ref = ctx.fleet.ref_tokens
+        out: list[Candidate] = []
+        for ws in kept:
+            c = Candidate(ws, role, ctx.request, ref)
+            total = 0.0
+            factors = c.factors
+            for scorer, weight in side.scorers:
+                if scorer.pairwise:
+                    continue
+                v = scorer.score(c, ctx)
+                factors[scorer.name] = v
+                total += weight * v
+            c.score = total
+            out.append(c)
+        return out
+
+    def _scan_order(self, index: ModelIndex, role: Role, ctx: RequestContext,
+                    rng: random.Random, k: int, drop: Any, mode: str
+                    ) -> tuple[list[WorkerState], list[tuple[WorkerState, str]]]:
+        workers = index.workers
+        n = len(workers)
+        prof = self.profile
+        if mode == "all":
+            order = range(n)
+            limit = n
+        elif mode == "rotation":
+            key = (index.model_id, role)
+            start = self._cursor.get(key, 0)
+            self._cursor[key] = (start + 1) % max(n, 1)
+            order = range(start, start + n)
+            limit = min(prof.max_scan, n)
+        else:  # random
+            start = rng.randrange(n) if n else 0
+            order = range(start, start + n)
+            limit = min(prof.max_scan, n)
+            k = 1 if k < 1 else k
+        kept: list[WorkerState] = []
+        dropped: list[tuple[WorkerState, str]] = []
+        for scanned, i in enumerate(order):
+            if scanned >= limit or (mode != "all" and len(kept) >= k):
+                break
+            ws = workers[i % n]
+            reason = drop(ws)
+            if reason is None:
+                kept.append(ws)
+            else:
+                dropped.append((ws, reason))
+        return kept, dropped
+
+    def _local(self, d: Candidate, ctx: RequestContext) -> Option:
+        """Prefill on the decode worker itself: SAME_POOL if it serves both stages, else
+        RECOMPUTE. Its prefill-side face is scored like any prefill candidate."""
+        face = Candidate(d.ws, Role.PREFILL, ctx.request, ctx.fleet.ref_tokens)
+        total = 0.0
+        for scorer, weight in self.profile.prefill.scorers:
+            if scorer.pairwise:
+                continue
+            v = scorer.score(face, ctx)
+            face.factors[scorer.name] = v
+            total += weight * v
+        face.score = total
+        mode = Mode.SAME_POOL if d.ws.view.stage is Stage.BOTH else Mode.RECOMPUTE
+        return Option(face, d, mode, 0.0, face.run_ms, 0.0, face.wait_ms + face.run_ms)
+
+    def _pair_score(self, o: Option, transfer: float | None, ctx: RequestContext,
+                    wp: float, wd: float) -> None:
+        prof = self.profile
+        ps, ds = prof.prefill, prof.decode
+        p_total = o.p.score
+        d_total = o.d.score
+        for scorer, weight in ps.scorers:
+            if scorer.pairwise:
+                v = scorer.score_pair(o.p, transfer, ctx)
+                o.factors["prefill." + scorer.name] = v
+                p_total += weight * v
+        for scorer, weight in ds.scorers:
+            if scorer.pairwise:
+                v = scorer.score_pair(o.d, transfer, ctx)
+                o.factors["decode." + scorer.name] = v
+                d_total += weight * v
+        o.score = wp * p_total / ps.total_weight + wd * d_total / ds.total_weight
+
+    def _joint(self, pcands: list[Candidate], dcands: list[Candidate], ctx: RequestContext,
+               wp: float, wd: float, colocated: bool) -> list[Option]:
+        fleet = ctx.fleet
+        prompt = ctx.request.prompt_tokens
+        seed_rule = self.profile.handoff == "seed"
+        options: list[Option] = []
+        for d in dcands:
+            local = self._local(d, ctx)
+            if colocated:
+                local.mode = Mode.SAME_POOL
+            self._pair_score(local, 0.0, ctx, wp, wd)
+            options.append(local)
+            if colocated:
+                continue
+            recompute_ms = local.recompute_ms
+            local_ttft = local.ttft_ms
+            dws = d.ws
+            for p in pcands:
+                pws = p.ws
+                if pws is dws:
+                    continue
+                neg = fleet.negotiation(pws, dws)
+                if not neg.transferable:
+                    continue
+                kv = prompt * pws.cap.kv_bytes_per_token
+                conv = neg.conversion_ms(kv) if neg.steps else 0.0
+                xfer = fleet.link(pws, dws).transfer_ms(kv) + conv
+                ttft = p.wait_ms + p.run_ms + xfer
+                if (xfer > recompute_ms) if seed_rule else (ttft > local_ttft):
+                    continue
+                o = Option(p, d, Mode.TRANSFER, xfer, recompute_ms, conv, ttft,
+                           tuple(str(r) for r in neg.reasons))
+                self._pair_score(o, xfer, ctx, wp, wd)
+                options.append(o)
+        return options
+
+    def _independent(self, pcands: list[Candidate], dcands: list[Candidate],
+                     ctx: RequestContext, rng: random.Random) -> list[Option]:
+        prof = self.profile
+        picker = prof.picker
+        ps, ds = prof.prefill, prof.decode
+        fleet = ctx.fleet
+        prompt = ctx.request.prompt_tokens
+        for p in pcands:
+            for scorer, weight in ps.scorers:
+                if scorer.pairwise:
+                    v = scorer.score_pair(p, None, ctx)
+                    p.factors[scorer.name] = v
+                    p.score += weight * v
+            p.score /= ps.total_weight
+        p_best = picker.rank(pcands, rng)[0] if pcands else None
+        plans: list[tuple[Candidate, Option]] = []
+        for d in dcands:
+            local = self._local(d, ctx)
+            option = local
+            xfer: float | None = 0.0
+            if p_best is not None and p_best.ws is not d.ws:
+                neg = fleet.negotiation(p_best.ws, d.ws)
+                xfer = None
+                if neg.transferable:
+                    kv = prompt * p_best.ws.cap.kv_bytes_per_token
+                    conv = neg.conversion_ms(kv) if neg.steps else 0.0
+                    t = fleet.link(p_best.ws, d.ws).transfer_ms(kv) + conv
+                    xfer = t
+                    ttft = p_best.wait_ms + p_best.run_ms + t
+                    faster = (t <= local.recompute_ms) if prof.handoff == "seed" else (
+                        ttft <= local.ttft_ms)
+                    if faster:
+                        option = Option(p_best, d, Mode.TRANSFER, t, local.recompute_ms, conv,
+                                        ttft, tuple(str(r) for r in neg.reasons))
+            total = d.score
+            for scorer, weight in ds.scorers:
+                if scorer.pairwise:
+                    v = scorer.score_pair(d, xfer, ctx)
+                    d.factors[scorer.name] = v
+                    total += weight * v
+            d.score = total / ds.total_weight
+            option.score = d.score
+            option.factors = dict(d.factors)
+            plans.append((d, option))
+        ranked_d = picker.rank([d for d, _ in plans], rng)
+        by_d = {id(d): o for d, o in plans}
+        return [by_d[id(d)] for d in ranked_d]
+
+    # -- results ----------------------------------------------------------------------------
+
+    def _plan_of(self, o: Option, request: Request, need: ResourceNeed) -> RoutePlan:
+        p, d = o.p, o.d
+        transfer = o.mode is Mode.TRANSFER
+        return RoutePlan(
+            resource_need=need,
+            mode=o.mode,
+            prefill_worker_id=p.ws.worker_id,
+            prefill_pool_id=p.ws.pool_id,
+            prefill_endpoint=p.ws.view.endpoint,
+            decode_worker_id=d.ws.worker_id,
+            decode_pool_id=d.ws.pool_id,
+            decode_endpoint=d.ws.view.endpoint,
+            decode_kv_bytes=d.kv_need,
+            prefill_tokens=request.prompt_tokens,
+            estimates=Estimates(
+                kv_bytes=request.prompt_tokens * p.ws.cap.kv_bytes_per_token,
+                transfer_ms=o.transfer_ms if transfer else None,
+                recompute_ms=o.recompute_ms,
+                conversion_ms=o.conversion_ms,
+                prefill_wait_ms=p.wait_ms,
+                prefill_ms=p.run_ms,
+                ttft_ms=o.ttft_ms,
+                tpot_ms=d.step_ms,
+            ),
+        )
+
+    def _chain(self, chosen: Option, rest: list[Option], tier: Tier) -> tuple[FallbackStep, ...]:
+        limit = self.profile.chain_length
+        steps: list[FallbackStep] = []
+        if limit <= 0:
+            return ()
+        used = {chosen.d.ws.worker_id}
+        if chosen.mode is Mode.TRANSFER:
+            d = chosen.d
+            recompute_ttft = d.wait_ms + chosen.recompute_ms
+            est = chosen.ttft_ms + recompute_ttft
+            steps.append(FallbackStep(Mode.RECOMPUTE, d.ws.worker_id, d.ws.worker_id,
+                                      d.ws.pool_id, "kv_transfer_failed", est,
+                                      tier.ttft_ms - est))
+        have_shared = False
+        for o in rest:
+            if len(steps) >= limit:
+                break
+            wid = o.d.ws.worker_id
+            if wid in used:
+                continue
+            used.add(wid)
+            if o.mode is Mode.SAME_POOL and not have_shared and chosen.mode is not Mode.SAME_POOL:
+                reason = "shared_pool"
+                have_shared = True
+            elif o.d.ws.pool_id != chosen.d.ws.pool_id:
+                reason = "next_pool"
+            else:
+                reason = "next_best_pair"
+            steps.append(FallbackStep(o.mode, o.p.ws.worker_id, wid, o.d.ws.pool_id, reason,
+                                      o.ttft_ms, tier.ttft_ms - o.ttft_ms))
+        return tuple(steps[:limit])
+
+    @staticmethod
+    def _retry_ms(tier: Tier) -> float:
+        """Suggested retry delay for a refusal: the tier's queue budget."""
+        return tier.queue_budget_ms
+
+    @staticmethod
+    def _reject(request: Request, need: ResourceNeed, action: ServingAction,
+                reasons: tuple[str, ...], cls: str, retry: float | None,
+                record: DecisionRecord) -> Decision:
+        return Decision(
+            request_id=request.request_id,
+            kind=DecisionKind.REJECT,
+            resource_need=need,
+            action=action,
+            plan=None,
+            fallbacks=(),
+            reject_reasons=reasons,
+            reject_class=cls,
+            retry_after_ms=retry,
+            record=record,
+        )
+
+
+def apply_reservations(fleet: Fleet, decision: Decision) -> None:
+    """Count a decision's reservations in the snapshot (decode KV + a slot, prefill tokens)
+    until released with :func:`release_reservations`. No-op for a reject."""
+    plan = decision.plan
+    if plan is None:
+        return
+    fleet.reserve(plan.decode_worker_id, kv_bytes=plan.decode_kv_bytes)
+    if plan.mode is Mode.TRANSFER:
+        fleet.reserve(plan.prefill_worker_id, prefill_tokens=plan.prefill_tokens)
+    else:
+        fleet.reserve(plan.decode_worker_id, prefill_tokens=plan.prefill_tokens, requests=0)
+
+
+def release_reservations(fleet: Fleet, decision: Decision) -> None:
+    """Undo :func:`apply_reservations`."""
+    plan = decision.plan
+    if plan is None:
+        return
+    fleet.release(plan.decode_worker_id, kv_bytes=plan.decode_kv_bytes)
+    if plan.mode is Mode.TRANSFER:
+        fleet.release(plan.prefill_worker_id, prefill_tokens=plan.prefill_tokens)
+    else:
+        fleet.release(plan.decode_worker_id, prefill_tokens=plan.prefill_tokens, requests=0)
