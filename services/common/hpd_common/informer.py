@@ -32,6 +32,15 @@ from hpd_registry.domain import WorkerRecord, WorkerState
 
 log = get_logger("informer")
 
+# Keepalive pings find a dead connection (a partition) in seconds instead of at the next
+# TCP timeout; the registry's server options permit pings this often.
+CLIENT_OPTIONS = [
+    ("grpc.keepalive_time_ms", 6_000),
+    ("grpc.keepalive_timeout_ms", 3_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
 
 @dataclass(frozen=True, slots=True)
 class FleetChange:
@@ -126,9 +135,9 @@ class FleetInformer:
         backoff = 0.1
         while True:
             channel = (
-                grpc.aio.secure_channel(self.target, self._credentials)
+                grpc.aio.secure_channel(self.target, self._credentials, options=CLIENT_OPTIONS)
                 if self._credentials
-                else grpc.aio.insecure_channel(self.target)
+                else grpc.aio.insecure_channel(self.target, options=CLIENT_OPTIONS)
             )
             try:
                 stub = r_grpc.RegistryServiceStub(channel)

@@ -39,12 +39,12 @@ def configure_logging(level: str = "info", json_logs: bool | None = None) -> Non
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-        cache_logger_on_first_use=_configured is False,
+        cache_logger_on_first_use=False,
     )
     logging.basicConfig(level=max(numeric, logging.WARNING), stream=sys.stderr)
     _configured = True
 
 
 def get_logger(name: str) -> Any:
-    """A structlog logger with `component` bound."""
-    return structlog.get_logger().bind(component=name)
+    """A structlog logger with `component` bound, lazily: safe to call at import time."""
+    return structlog.get_logger(component=name)

@@ -9,8 +9,8 @@ prefix (default `hpd`), which lets several control planes share one Redis.
 | `<p>:{reg}:w:<worker_id>`   | hash   | one worker (fields below) |
 | `<p>:{reg}:ids`             | zset   | every worker id, score 0 (lex order: pagination) |
 | `<p>:{reg}:lease`           | zset   | worker id -> lease expiry (ms): the sweeper's input |
-| `<p>:{reg}:hb`              | zset   | worker id -> last heartbeat (ms); the sweeper flags SUSPECT |
-| `<p>:{reg}:lat`             | zset   | worker id -> load reported-at (ms); stale load flags SUSPECT |
+| `<p>:{reg}:hb`              | zset   | worker id -> suspect-at (ms): heartbeat + 2 intervals |
+| `<p>:{reg}:lat`             | zset   | worker id -> load reported-at (ms): stale load |
 | `<p>:{reg}:rev`             | string | the revision counter (INCR per change) |
 | `<p>:{reg}:feed`            | stream | the change feed (below) |
 | `<p>:{reg}:dir:<worker_id>` | list   | pending directives (JSON), oldest first |

@@ -640,11 +640,7 @@ class RegistryService:
             await asyncio.sleep(interval_s)
             now = self.clock.now_ms()
             try:
-                expired, suspects = await self.store.sweep(
-                    now,
-                    now - 2 * self.heartbeat_interval_ms,
-                    now - self.settings.load_stale_ms,
-                )
+                expired, suspects = await self.store.sweep(now, now - self.settings.load_stale_ms)
             except Unavailable as exc:
                 log.warning("sweep_failed", error=str(exc))
                 continue

@@ -74,7 +74,7 @@ if redis.call('EXISTS', key) == 1 then
     end
     redis.call('HSET', key, 'hb', now, 'exp', now + ttl, 'ttl', ttl)
     redis.call('ZADD', KEYS[2], now + ttl, id)
-    redis.call('ZADD', KEYS[3], now, id)
+    redis.call('ZADD', KEYS[3], now + 2 * math.floor(ttl / 3), id)
     if redis.call('HGET', key, 'spec') ~= ARGV[8] or redis.call('HGET', key, 'sus') == '1' then
       redis.call('HSET', key, 'spec', ARGV[8], 'sus', '0')
       return {'changed', emit_put(key, id)}
@@ -88,7 +88,7 @@ redis.call('HSET', key, 'spec', ARGV[8], 'cred', ARGV[7], 'reg', now, 'hb', now,
   'drn', '0', 'cor', '0', 'adm', '')
 redis.call('ZADD', KEYS[1], 0, id)
 redis.call('ZADD', KEYS[2], now + ttl, id)
-redis.call('ZADD', KEYS[3], now, id)
+redis.call('ZADD', KEYS[3], now + 2 * math.floor(ttl / 3), id)
 return {'created', emit_put(key, id)}
 """
 )
@@ -116,7 +116,7 @@ for i = 0, n - 1 do
     local exp = now + ttl
     redis.call('HSET', key, 'hb', now, 'exp', exp, 'ttl', ttl)
     redis.call('ZADD', KEYS[2], exp, id)
-    redis.call('ZADD', KEYS[3], now, id)
+    redis.call('ZADD', KEYS[3], now + 2 * math.floor(ttl / 3), id)
     local full = false
     if redis.call('HGET', key, 'sus') == '1' then
       redis.call('HSET', key, 'sus', '0')
@@ -190,7 +190,8 @@ return {'ok', emit_put(key, id)}
 """
 )
 
-# ARGV 5 suspect if last heartbeat before, 6 suspect if load reported before, 7 batch limit.
+# ARGV 5 unused (kept for argument order), 6 suspect if load reported before, 7 batch limit.
+# KEYS[3] holds each worker's suspect-at time: last heartbeat + two heartbeat intervals.
 _SWEEP = (
     _PRELUDE
     + """
@@ -201,7 +202,7 @@ for _, id in ipairs(expired) do
 end
 local suspects = {}
 local seen = {}
-local c1 = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', '(' .. ARGV[5], 'LIMIT', 0, ARGV[7])
+local c1 = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', '(' .. now, 'LIMIT', 0, ARGV[7])
 local c2 = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', '(' .. ARGV[6], 'LIMIT', 0, ARGV[7])
 for _, list in ipairs({c1, c2}) do
   for _, id in ipairs(list) do
@@ -412,12 +413,11 @@ class RegistryStore:
         return _s(status), int(rev)
 
     async def sweep(
-        self, now_ms: int, suspect_before_ms: int, stale_before_ms: int, limit: int = 500
+        self, now_ms: int, stale_before_ms: int, limit: int = 500
     ) -> tuple[list[str], list[str]]:
-        """Expires overdue leases and flags SUSPECT workers; returns (expired, suspected) ids."""
-        expired, suspects = await self._call(
-            self._sweep, now_ms, suspect_before_ms, stale_before_ms, limit
-        )
+        """Expires overdue leases and flags SUSPECT workers (two missed heartbeat intervals,
+        or a load report older than stale_before_ms); returns (expired, suspected) ids."""
+        expired, suspects = await self._call(self._sweep, now_ms, 0, stale_before_ms, limit)
         return [_s(x) for x in expired], [_s(x) for x in suspects]
 
     async def snapshot(self) -> tuple[int, list[WorkerRecord]]:

@@ -1,1 +1,119 @@
-"""hetero-pd."""
+"""The scheduling policy core: pure, synchronous, no I/O; time and randomness injected.
+
+Typical use (the scheduler service and the simulator call exactly this)::
+
+    profile = builtin_profile("default")            # or load_profile(path)
+    planner = Planner(profile)
+    fleet = Fleet.build(worker_views, now_s, links=LinkModel(...))   # once per fleet change
+    decision = planner.plan(request, fleet, now_s, rng)
+    apply_reservations(fleet, decision)             # until the outcome comes back
+    record = decision.to_dict()                     # JSON-ready route record
+"""
+
+from .balance import (
+    BatchChange,
+    BatchRecommendation,
+    Move,
+    RebalancePlan,
+    adapt_batch_size,
+    detect_imbalance,
+    rebalance_plan,
+)
+from .capacity import StalenessPolicy, confidence
+from .config import (
+    Profile,
+    SideSpec,
+    builtin_profile,
+    builtin_profile_names,
+    load_profile,
+    parse_profile,
+)
+from .decision import Decision, DecisionRecord, Estimates, FallbackStep, RejectClass, RoutePlan
+from .domain import (
+    SCHEDULABLE_HEALTH,
+    DecisionKind,
+    Health,
+    LoadReport,
+    Mode,
+    NetworkLocation,
+    Request,
+    ResourceNeed,
+    Role,
+    Stage,
+    Tier,
+    WorkerView,
+)
+from .errors import ConfigError, InvalidInputError, PolicyError, UnknownPluginError
+from .fleet import Fleet, WorkerState
+from .framework import Candidate, Filter, FilterResult, Option, Picker, PluginRegistry, Scorer
+from .links import Link, LinkModel, Locality
+from .mechanisms import choose_handoff, classify_need, evaluate_capability, route_with_fallback
+from .planner import Planner, apply_reservations, release_reservations
+from .plugins import REGISTRY
+from .serving import DEFAULT_LADDER, Action, LadderStep, Protects, ServingAction, select_action
+
+__all__ = [
+    "DEFAULT_LADDER",
+    "REGISTRY",
+    "SCHEDULABLE_HEALTH",
+    "Action",
+    "BatchChange",
+    "BatchRecommendation",
+    "Candidate",
+    "ConfigError",
+    "Decision",
+    "DecisionKind",
+    "DecisionRecord",
+    "Estimates",
+    "FallbackStep",
+    "Filter",
+    "FilterResult",
+    "Fleet",
+    "Health",
+    "InvalidInputError",
+    "LadderStep",
+    "Link",
+    "LinkModel",
+    "LoadReport",
+    "Locality",
+    "Mode",
+    "Move",
+    "NetworkLocation",
+    "Option",
+    "Picker",
+    "Planner",
+    "PluginRegistry",
+    "PolicyError",
+    "Profile",
+    "Protects",
+    "RebalancePlan",
+    "RejectClass",
+    "Request",
+    "ResourceNeed",
+    "Role",
+    "RoutePlan",
+    "Scorer",
+    "ServingAction",
+    "SideSpec",
+    "Stage",
+    "StalenessPolicy",
+    "Tier",
+    "UnknownPluginError",
+    "WorkerState",
+    "WorkerView",
+    "adapt_batch_size",
+    "apply_reservations",
+    "builtin_profile",
+    "builtin_profile_names",
+    "choose_handoff",
+    "classify_need",
+    "confidence",
+    "detect_imbalance",
+    "evaluate_capability",
+    "load_profile",
+    "parse_profile",
+    "rebalance_plan",
+    "release_reservations",
+    "route_with_fallback",
+    "select_action",
+]

@@ -14,9 +14,12 @@ Formulas (ms unless stated):
   and ``m_p`` the observed correction (below).
 * prefill throughput ``tps = ref / prefill_ms(ref) x 1000 x replicas`` with
   ``replicas = max(1, gpu_count // tp)`` engines in the worker.
-* decode step now: ``perfmodel.decode_step_ms(batch, context tokens in KV) x m_d``; each
-  extra sequence of ``t`` context tokens adds ``t x kv_ms_per_token`` (its KV read) and
-  ``weights-free`` compute; ``kv_ms_per_token`` is read off the model at build time.
+* decode step (memory-bound roofline): ``(weights_ms + context_tokens x kv_ms_per_token)
+  x m_d``, where ``weights_ms`` is ``perfmodel.decode_step_ms`` with no context (one read of
+  the weights) and ``kv_ms_per_token`` its slope in resident context tokens; both are read
+  off the performance model once per model x GPU x TP. Admitting a sequence of ``t``
+  context tokens adds ``t x kv_ms_per_token``. The compute floor, which only matters at
+  very large batches, is left out of this linear form.
 * observed correction with confidence ``c`` (see :func:`confidence`):
   ``m = c x clamp(observed / nominal, 0.25, 4) + (1 - c)``, for prefill from the reported
   prefill tokens/s (``nominal_tps / observed_tps``), for decode from the reported ITL p50.
@@ -148,9 +151,9 @@ class Capacity:
         n = float(tokens)
         return max(self.floor_ms, self.lin_ms * n + self.quad_ms * n * n)
 
-    def decode_step_ms(self, batch: int, context_tokens: float) -> float:
-        """Nominal memory-bound decode step: weights once plus every sequence's KV read."""
-        del batch
+    def decode_step_ms(self, context_tokens: float) -> float:
+        """Nominal memory-bound decode step with ``context_tokens`` resident: the weights
+        read once plus every resident token's KV read."""
         return self.weights_ms + context_tokens * self.kv_ms_per_token
 
 

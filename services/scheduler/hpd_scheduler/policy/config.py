@@ -9,7 +9,6 @@ A profile document::
       - {name: best, type: max-score-picker}
     preselect: {key: capacity, top_k_prefill: 6, top_k_decode: 6, max_scan: 256}
     pairing: joint                # joint | independent | colocated
-    handoff: ttft                 # ttft (whole-path TTFT) | seed (hand-off terms only)
     picker: best                  # a picker instance
     classification: {long_prompt_tokens: 2048, long_decode_tokens: 256}
     side_weights: {prefill: [0.65, 0.35], decode: [0.35, 0.65], shared: [0.5, 0.5]}
@@ -53,7 +52,6 @@ __all__ = [
 
 PRESELECT_MODES = ("capacity", "blind", "rotation", "random", "all")
 PAIRINGS = ("joint", "independent", "colocated")
-HANDOFF_RULES = ("ttft", "seed")
 
 DEFAULT_TIERS: dict[str, Tier] = {
     "interactive": Tier(
@@ -131,7 +129,6 @@ class Profile:
     top_k_decode: int = 6
     max_scan: int = 256
     pairing: str = "joint"
-    handoff: str = "ttft"
     long_prompt_tokens: int = 2048
     long_decode_tokens: int = 256
     side_weights: Mapping[ResourceNeed, tuple[float, float]] = field(
@@ -272,8 +269,6 @@ def parse_profile(doc: Any, registry: PluginRegistry = REGISTRY, root: str = "")
     _req(key in PRESELECT_MODES, f"{p}preselect.key", f"must be one of {list(PRESELECT_MODES)}")
     pairing = data.get("pairing", "joint")
     _req(pairing in PAIRINGS, f"{p}pairing", f"must be one of {list(PAIRINGS)}")
-    handoff = data.get("handoff", "ttft")
-    _req(handoff in HANDOFF_RULES, f"{p}handoff", f"must be one of {list(HANDOFF_RULES)}")
 
     cls_raw = _map(data.get("classification", {}) or {}, f"{p}classification")
     for k in cls_raw:
@@ -306,7 +301,7 @@ def parse_profile(doc: Any, registry: PluginRegistry = REGISTRY, root: str = "")
             path = f"{p}ladder[{i}]"
             spec = _map(spec, path)
             try:
-                action = Action(spec.get("action"))
+                action = Action(str(spec.get("action")))
             except ValueError:
                 raise ConfigError(f"{path}.action", f"must be one of {list(_PROTECTS)}") from None
             _req(action in _PROTECTS, f"{path}.action", "not a ladder action")
@@ -369,7 +364,6 @@ def parse_profile(doc: Any, registry: PluginRegistry = REGISTRY, root: str = "")
         top_k_decode=_int(pre, "top_k_decode", 6, f"{p}preselect"),
         max_scan=_int(pre, "max_scan", 256, f"{p}preselect"),
         pairing=str(pairing),
-        handoff=str(handoff),
         long_prompt_tokens=_int(cls_raw, "long_prompt_tokens", 2048, f"{p}classification", 0),
         long_decode_tokens=_int(cls_raw, "long_decode_tokens", 256, f"{p}classification", 0),
         side_weights=sw,

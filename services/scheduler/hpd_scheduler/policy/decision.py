@@ -7,6 +7,7 @@ is called: the hot path pays nothing for explainability it does not serialise.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,6 +112,7 @@ class DecisionRecord:
     rejected_workers: list[tuple[str, str, str]] = field(default_factory=list)
     rejected_pools: dict[str, tuple[str, ...]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    explain: Callable[[Option], dict[str, float]] | None = None
 
     def to_dict(self, max_options: int = 16) -> dict[str, Any]:
         """Plain data: every candidate's per-factor scores, the weights, the options scored
@@ -136,7 +138,12 @@ class DecisionRecord:
                     "score": round(o.score, 6),
                     "ttft_ms": round(o.ttft_ms, 3),
                     "transfer_ms": None if o.mode is not Mode.TRANSFER else round(o.transfer_ms, 3),
-                    "factors": {k: round(v, 6) for k, v in o.factors.items()},
+                    "factors": {
+                        k: round(v, 6)
+                        for k, v in (
+                            {**o.factors, **self.explain(o)} if self.explain else o.factors
+                        ).items()
+                    },
                     "kv_reasons": list(o.kv_reasons),
                 }
                 for o in sorted(self.options, key=lambda o: (-o.score, o.tiebreak))[:max_options]

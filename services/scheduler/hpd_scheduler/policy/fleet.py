@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from hpd_common.kvformat import DEFAULT_KV_POLICY, KvFormat, KvPolicy, Negotiation, negotiate
+from hpd_common.kvformat import DEFAULT_KV_POLICY, GIB, KvFormat, KvPolicy, Negotiation, negotiate
 
 from .capacity import Capacity, StalenessPolicy, capacity_for, confidence, resolve_gpu
 from .domain import SCHEDULABLE_HEALTH, Role, Stage, WorkerView
@@ -35,6 +35,7 @@ from .links import Link, LinkModel
 __all__ = ["PRESELECT_KEYS", "Fleet", "ModelIndex", "WorkerState"]
 
 _CLAMP_LO, _CLAMP_HI = 0.25, 4.0
+_MISS: object = object()
 
 
 class WorkerState:
@@ -50,6 +51,7 @@ class WorkerState:
         "cap",
         "conf",
         "ctx_tokens",
+        "fmt",
         "idx",
         "kv_avail",
         "kv_total",
@@ -101,13 +103,14 @@ class WorkerState:
         self.m_p = m_p
         m_d = 1.0
         if load is not None and load.itl_p50_ms > 0 and c > 0:
-            nominal = cap.decode_step_ms(max(self.batch, 1), self.ctx_tokens)
+            nominal = cap.decode_step_ms(self.ctx_tokens)
             ratio = min(max(load.itl_p50_ms / nominal, _CLAMP_LO), _CLAMP_HI)
             m_d = c * ratio + (1.0 - c)
         self.m_d = m_d
         self.live_reqs = 0
         self.live_kv = 0
         self.live_tokens = 0
+        self.fmt = 0
 
     # -- live figures (snapshot + reservations) -------------------------------------------
 
@@ -209,6 +212,8 @@ class Fleet:
     """An immutable-by-convention snapshot of the fleet, with indexes (module docstring)."""
 
     __slots__ = (
+        "_fmt_ids",
+        "_handoff_cache",
         "_link_cache",
         "_model_kv",
         "built_at_s",
@@ -232,6 +237,8 @@ class Fleet:
         self.built_at_s = 0.0
         self._link_cache: dict[tuple[int, int], Link] = {}
         self._model_kv: dict[str, int] = {}
+        self._fmt_ids: dict[KvFormat, int] = {}
+        self._handoff_cache: dict[tuple[int, int], tuple[float, float, float, tuple[str, ...]]] = {}
 
     @classmethod
     def build(
@@ -321,6 +328,30 @@ class Fleet:
     def negotiation(self, src: WorkerState, dst: WorkerState) -> Negotiation:
         """KV negotiation of the pair's formats (shared rules, cached per format pair)."""
         return _negotiate(src.view.kv_format, dst.view.kv_format, self.kv_policy)
+
+    def handoff_terms(
+        self, src: WorkerState, dst: WorkerState
+    ) -> tuple[float, float, float, tuple[str, ...]] | None:
+        """Per-byte hand-off figures for the pair, cached per snapshot:
+        ``(ms per byte over the link, link latency ms, conversion ms per byte, reasons)``,
+        or None when the KV formats cannot be exchanged (the decode side must recompute).
+        ``transfer_ms(bytes) = bytes x (link + conversion ms per byte) + latency``."""
+        key = (src.idx, dst.idx)
+        hit = self._handoff_cache.get(key, _MISS)
+        if hit is not _MISS:
+            return hit  # type: ignore[return-value]
+        neg = _negotiate(src.view.kv_format, dst.view.kv_format, self.kv_policy)
+        terms: tuple[float, float, float, tuple[str, ...]] | None = None
+        if neg.transferable:
+            link = self.link(src, dst)
+            terms = (
+                8.0 / (link.gbps * 1e6),
+                link.latency_ms,
+                neg.cost_ms_per_gib / GIB,
+                tuple(str(r) for r in neg.reasons),
+            )
+        self._handoff_cache[key] = terms  # type: ignore[assignment]
+        return terms
 
     # -- reservations ---------------------------------------------------------------------------
 

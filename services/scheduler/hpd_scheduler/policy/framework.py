@@ -97,9 +97,9 @@ class Candidate:
         self.score = 0.0
 
     @property
-    def tiebreak(self) -> str:
-        """Deterministic tie-break: the worker id."""
-        return self.ws.worker_id
+    def tiebreak(self) -> tuple[int, int]:
+        """Deterministic tie-break: the worker's position in the snapshot."""
+        return (self.ws.idx, 0)
 
 
 class Option:
@@ -145,9 +145,9 @@ class Option:
         self.score = 0.0
 
     @property
-    def tiebreak(self) -> str:
-        """Deterministic tie-break: prefill id, decode id, mode."""
-        return f"{self.p.ws.worker_id}|{self.d.ws.worker_id}|{self.mode.value}"
+    def tiebreak(self) -> tuple[int, int]:
+        """Deterministic tie-break: prefill then decode worker position in the snapshot."""
+        return (self.p.ws.idx, self.d.ws.idx)
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,7 +221,7 @@ class _Scored(Protocol):
     score: float
 
     @property
-    def tiebreak(self) -> str: ...
+    def tiebreak(self) -> tuple[int, int]: ...
 
 
 T = TypeVar("T", bound=_Scored)

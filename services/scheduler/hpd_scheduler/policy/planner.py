@@ -10,20 +10,25 @@ Stages of :meth:`Planner.plan`:
 4. score each candidate with the pair-independent scorers, once;
 5. build options and score them with the pairwise (link) scorers:
 
-   * ``joint``: every prefill x decode pair of the two top-k lists, plus a local option on
-     each decode worker (SAME_POOL when it serves both stages, else RECOMPUTE). A pair is a
-     TRANSFER option only when the KV formats negotiate and (``handoff: ttft``) its TTFT,
-     ``wait_p + prefill_p + transfer + conversion``, is not above the local option's
-     ``wait_d + recompute_d``; otherwise recomputing on the decode worker is at least as fast
-     and the local option covers it. Pair score = ``w_P x P(p, link) + w_D x D(d, link)``,
-     side weights by resource need (prefill-heavy requests weigh the prefill side more);
+   * hand-off per pair by the seed rule made real: TRANSFER when the KV formats negotiate
+     and ``bytes x 8 / link Gb/s + latency + conversion <= recompute_ms``, where
+     ``recompute_ms`` is the decode worker's own prefill time for the prompt; otherwise the
+     pair degenerates to RECOMPUTE on the decode worker. (Comparing whole-path TTFTs instead
+     would send work to idle decode GPUs and stall their running batches: recompute costs
+     the decode side compute, a transfer does not.)
+   * ``joint``: every prefill x decode pair of the two top-k lists, plus a local option on a
+     decode worker when it serves both stages (SAME_POOL) or some pair must recompute.
+     Pair score = ``w_P x P(p, link) + w_D x D(d, link)``, side weights by resource need
+     (prefill-heavy requests weigh the prefill side more);
    * ``independent`` (seed and the baselines): prefill ranked alone (link unknown: the
-     seed's 0.5), then decode ranked with the chosen prefill worker's link; hand-off by the
-     seed rule (transfer when ``transfer_ms <= recompute_ms``, ``handoff: seed``) or by TTFT;
+     seed's 0.5), then decode ranked with the chosen prefill worker's link;
    * ``colocated``: only local options on workers serving both stages;
 
 6. drop options above the tier's hard TTFT limit; rank the rest with the picker; apply the
-   ladder (throttle, fallback to a shared pool, shed); build the fallback chain.
+   ladder: throttle (refuse tiers that may be throttled, with a retry delay), lower the
+   batch cap (recorded; the service turns it into max-batch-size directives with
+   ``balance.adapt_batch_size``), fall back to a shared pool (SAME_POOL options first,
+   decision REROUTE), shed (refuse the lowest sheddable tier); build the fallback chain.
 
 Work per request is O(k^2) scoring plus an O(k)-ish threshold scan: independent of fleet
 size up to the scan bound.
@@ -58,11 +63,15 @@ class Planner:
     """Runs one :class:`~.config.Profile`. Holds only the round-robin cursors (state the
     round-robin baseline needs); everything else comes in per call."""
 
-    __slots__ = ("_cursor", "profile")
+    __slots__ = ("_cursor", "_dp", "_inv_wd", "_inv_wp", "_pp", "profile")
 
     def __init__(self, profile: Profile) -> None:
         self.profile = profile
         self._cursor: dict[tuple[str, Role], int] = {}
+        self._pp = [(s, w) for s, w in profile.prefill.scorers if s.pairwise]
+        self._dp = [(s, w) for s, w in profile.decode.scorers if s.pairwise]
+        self._inv_wp = 1.0 / profile.prefill.total_weight
+        self._inv_wd = 1.0 / profile.decode.total_weight
 
     # -- public -------------------------------------------------------------------------------
 
@@ -72,8 +81,12 @@ class Planner:
         prof = self.profile
         request.validate()
         tier = prof.tier(request.tier)
-        need = classify_need(request.prompt_tokens, request.expected_output_tokens,
-                             prof.long_prompt_tokens, prof.long_decode_tokens)
+        need = classify_need(
+            request.prompt_tokens,
+            request.expected_output_tokens,
+            prof.long_prompt_tokens,
+            prof.long_decode_tokens,
+        )
         pidx = fleet.index(request.model_id, Role.PREFILL)
         didx = fleet.index(request.model_id, Role.DECODE)
         ctx = RequestContext(request, tier, need, now_s, fleet, pidx, didx)
@@ -92,9 +105,15 @@ class Planner:
             record.rejected_workers.extend(didx.static_drops[:64])
         if didx is None or not didx.workers:
             reason = "no_worker_for_model" if didx is None else "no_executable_pool"
-            return self._reject(request, need, _NO_ACTION, (reason, "no_executable_pool")
-                                if reason != "no_executable_pool" else (reason,),
-                                RejectClass.NO_CAPABLE_WORKER, None, record)
+            return self._reject(
+                request,
+                need,
+                _NO_ACTION,
+                (reason, "no_executable_pool") if reason != "no_executable_pool" else (reason,),
+                RejectClass.NO_CAPABLE_WORKER,
+                None,
+                record,
+            )
 
         colocated = prof.pairing == "colocated"
         dcands = self._preselect(didx, Role.DECODE, ctx, rng, record, colocated)
@@ -108,45 +127,83 @@ class Planner:
             cls = RejectClass.SATURATED
             if colocated and not didx.shared:
                 cls = RejectClass.NO_CAPABLE_WORKER
-            return self._reject(request, need, _NO_ACTION, ("no_executable_pool",), cls,
-                                self._retry_ms(tier), record)
+            return self._reject(
+                request,
+                need,
+                _NO_ACTION,
+                ("no_executable_pool",),
+                cls,
+                self._retry_ms(tier),
+                record,
+            )
 
         if prof.pairing == "independent":
             options = self._independent(pcands, dcands, ctx, rng)
         else:
             options = self._joint(pcands, dcands, ctx, wp, wd, colocated)
         record.options = options
+        if self._pp or self._dp:
+            record.explain = lambda o: self.pair_factors(o, ctx)
 
         hard = tier.hard_ttft_ms
         if hard is not None:
             ok = [o for o in options if o.ttft_ms <= hard]
             if not ok:
                 record.notes.append(f"all_options_exceed_hard_ttft_ms:{hard:g}")
-                return self._reject(request, need, _NO_ACTION, ("exceeds_hard_ttft",),
-                                    RejectClass.SATURATED, self._retry_ms(tier), record)
+                return self._reject(
+                    request,
+                    need,
+                    _NO_ACTION,
+                    ("exceeds_hard_ttft",),
+                    RejectClass.SATURATED,
+                    self._retry_ms(tier),
+                    record,
+                )
             options = ok
 
-        if prof.pairing == "independent":
-            ranked = options  # already in picker order
-        else:
-            ranked = prof.picker.rank(options, rng)
+        # independent mode returns its options already in picker order
+        ranked = options if prof.pairing == "independent" else prof.picker.rank(options, rng)
 
         best = ranked[0]
         action = select_action(pressure, best.p.wait_ms, tier.queue_budget_ms, prof.ladder)
 
         # the ladder, in order: shed, throttle (refusals), then the shared-pool fallback
-        if action.took(Action.SHED_LOWEST_TIER) and tier.may_shed and (
-            prof.lowest_sheddable_tier() == tier.name
+        if (
+            action.took(Action.SHED_LOWEST_TIER)
+            and tier.may_shed
+            and (prof.lowest_sheddable_tier() == tier.name)
         ):
-            return self._reject(request, need, action, ("shed_lowest_tier",), RejectClass.SHED,
-                                self._retry_ms(tier), record)
+            return self._reject(
+                request,
+                need,
+                action,
+                ("shed_lowest_tier",),
+                RejectClass.SHED,
+                self._retry_ms(tier),
+                record,
+            )
         if action.took(Action.THROTTLE_ADMISSION) and tier.may_throttle:
-            return self._reject(request, need, action, ("throttle_admission",),
-                                RejectClass.THROTTLED, self._retry_ms(tier), record)
+            return self._reject(
+                request,
+                need,
+                action,
+                ("throttle_admission",),
+                RejectClass.THROTTLED,
+                self._retry_ms(tier),
+                record,
+            )
 
         kind = DecisionKind.PRIMARY
         if action.took(Action.FALLBACK_TO_SHARED):
             shared = [o for o in ranked if o.mode is Mode.SAME_POOL]
+            if not shared and didx.shared and not colocated:
+                # the shared pool was not among the top-k: preselect within it (bounded)
+                scands = self._preselect(didx, Role.DECODE, ctx, rng, record, True, False)
+                extra = self._joint([], scands, ctx, wp, wd, True)
+                if hard is not None:
+                    extra = [o for o in extra if o.ttft_ms <= hard]
+                shared = prof.picker.rank(extra, rng)
+                record.options.extend(extra)
             if shared:
                 if shared[0] is not ranked[0]:
                     kind = DecisionKind.REROUTE
@@ -162,7 +219,9 @@ class Planner:
                 kind = DecisionKind.REROUTE
                 reasons = record.rejected_pools.get(request.preferred_pool)
                 if reasons is None:
-                    drops = {r for w, p, r in record.rejected_workers if p == request.preferred_pool}
+                    drops = {
+                        r for w, p, r in record.rejected_workers if p == request.preferred_pool
+                    }
                     reasons = tuple(sorted(drops)) or ("not_selected",)
                     record.rejected_pools[request.preferred_pool] = reasons
 
@@ -184,9 +243,16 @@ class Planner:
 
     # -- stages -------------------------------------------------------------------------------
 
-    def _preselect(self, index: ModelIndex, role: Role, ctx: RequestContext,
-                   rng: random.Random, record: DecisionRecord,
-                   colocated: bool) -> list[Candidate]:
+    def _preselect(
+        self,
+        index: ModelIndex,
+        role: Role,
+        ctx: RequestContext,
+        rng: random.Random,
+        record: DecisionRecord,
+        colocated: bool,
+        record_drops: bool = True,
+    ) -> list[Candidate]:
         prof = self.profile
         side = prof.prefill if role is Role.PREFILL else prof.decode
         filters = side.filters
@@ -209,8 +275,9 @@ class Planner:
                 record.notes.append(f"{role.value}_scan_truncated_at_{prof.max_scan}")
         else:
             kept, dropped = self._scan_order(index, role, ctx, rng, k, drop, mode)
-        for ws, reason in dropped[:64]:
-            record.rejected_workers.append((ws.worker_id, ws.pool_id, reason))
+        if record_drops:
+            for ws, reason in dropped[:64]:
+                record.rejected_workers.append((ws.worker_id, ws.pool_id, reason))
 
         ref = ctx.fleet.ref_tokens
         out: list[Candidate] = []
@@ -228,9 +295,16 @@ class Planner:
             out.append(c)
         return out
 
-    def _scan_order(self, index: ModelIndex, role: Role, ctx: RequestContext,
-                    rng: random.Random, k: int, drop: Any, mode: str
-                    ) -> tuple[list[WorkerState], list[tuple[WorkerState, str]]]:
+    def _scan_order(
+        self,
+        index: ModelIndex,
+        role: Role,
+        ctx: RequestContext,
+        rng: random.Random,
+        k: int,
+        drop: Any,
+        mode: str,
+    ) -> tuple[list[WorkerState], list[tuple[WorkerState, str]]]:
         workers = index.workers
         n = len(workers)
         prof = self.profile
@@ -243,11 +317,12 @@ class Planner:
             self._cursor[key] = (start + 1) % max(n, 1)
             order = range(start, start + n)
             limit = min(prof.max_scan, n)
-        else:  # random
+        else:
+            # random: a uniformly random start, then the next workers; the random picker
+            # shuffles the window, so every worker is equally likely to come first
             start = rng.randrange(n) if n else 0
             order = range(start, start + n)
             limit = min(prof.max_scan, n)
-            k = 1 if k < 1 else k
         kept: list[WorkerState] = []
         dropped: list[tuple[WorkerState, str]] = []
         for scanned, i in enumerate(order):
@@ -276,62 +351,90 @@ class Planner:
         mode = Mode.SAME_POOL if d.ws.view.stage is Stage.BOTH else Mode.RECOMPUTE
         return Option(face, d, mode, 0.0, face.run_ms, 0.0, face.wait_ms + face.run_ms)
 
-    def _pair_score(self, o: Option, transfer: float | None, ctx: RequestContext,
-                    wp: float, wd: float) -> None:
-        prof = self.profile
-        ps, ds = prof.prefill, prof.decode
+    def _pair_score(
+        self, o: Option, transfer: float | None, ctx: RequestContext, wp: float, wd: float
+    ) -> None:
+        """``o.score = w_P (P_static + sum w s(link)) / W_P + w_D (D_static + ...) / W_D``."""
         p_total = o.p.score
+        for scorer, weight in self._pp:
+            p_total += weight * scorer.score_pair(o.p, transfer, ctx)
         d_total = o.d.score
-        for scorer, weight in ps.scorers:
-            if scorer.pairwise:
-                v = scorer.score_pair(o.p, transfer, ctx)
-                o.factors["prefill." + scorer.name] = v
-                p_total += weight * v
-        for scorer, weight in ds.scorers:
-            if scorer.pairwise:
-                v = scorer.score_pair(o.d, transfer, ctx)
-                o.factors["decode." + scorer.name] = v
-                d_total += weight * v
-        o.score = wp * p_total / ps.total_weight + wd * d_total / ds.total_weight
+        for scorer, weight in self._dp:
+            d_total += weight * scorer.score_pair(o.d, transfer, ctx)
+        o.score = wp * p_total * self._inv_wp + wd * d_total * self._inv_wd
 
-    def _joint(self, pcands: list[Candidate], dcands: list[Candidate], ctx: RequestContext,
-               wp: float, wd: float, colocated: bool) -> list[Option]:
+    def pair_factors(self, o: Option, ctx: RequestContext) -> dict[str, float]:
+        """The pairwise factor values of an option (recomputed for the record, off the hot
+        path; the same pure functions, so the same values)."""
+        transfer = _handoff_cost(o)
+        out: dict[str, float] = {}
+        for scorer, _ in self._pp:
+            out["prefill." + scorer.name] = scorer.score_pair(o.p, transfer, ctx)
+        for scorer, _ in self._dp:
+            out["decode." + scorer.name] = scorer.score_pair(o.d, transfer, ctx)
+        return out
+
+    def _joint(
+        self,
+        pcands: list[Candidate],
+        dcands: list[Candidate],
+        ctx: RequestContext,
+        wp: float,
+        wd: float,
+        colocated: bool,
+    ) -> list[Option]:
         fleet = ctx.fleet
         prompt = ctx.request.prompt_tokens
-        seed_rule = self.profile.handoff == "seed"
+        pair_score = self._pair_score
         options: list[Option] = []
         for d in dcands:
-            local = self._local(d, ctx)
-            if colocated:
-                local.mode = Mode.SAME_POOL
-            self._pair_score(local, 0.0, ctx, wp, wd)
-            options.append(local)
-            if colocated:
-                continue
-            recompute_ms = local.recompute_ms
-            local_ttft = local.ttft_ms
             dws = d.ws
-            for p in pcands:
-                pws = p.ws
-                if pws is dws:
-                    continue
-                neg = fleet.negotiation(pws, dws)
-                if not neg.transferable:
-                    continue
-                kv = prompt * pws.cap.kv_bytes_per_token
-                conv = neg.conversion_ms(kv) if neg.steps else 0.0
-                xfer = fleet.link(pws, dws).transfer_ms(kv) + conv
-                ttft = p.wait_ms + p.run_ms + xfer
-                if (xfer > recompute_ms) if seed_rule else (ttft > local_ttft):
-                    continue
-                o = Option(p, d, Mode.TRANSFER, xfer, recompute_ms, conv, ttft,
-                           tuple(str(r) for r in neg.reasons))
-                self._pair_score(o, xfer, ctx, wp, wd)
-                options.append(o)
+            recompute_ms = d.run_ms  # the decode worker's own prefill time for the prompt
+            # a worker serving both stages always offers SAME_POOL; a decode-only worker
+            # recomputes only when some pair's KV cannot reach it faster (seed rule)
+            need_local = colocated or dws.view.stage is Stage.BOTH or not pcands
+            if not colocated:
+                for p in pcands:
+                    pws = p.ws
+                    if pws is dws:
+                        continue
+                    terms = fleet.handoff_terms(pws, dws)
+                    if terms is None:
+                        need_local = True
+                        continue
+                    kv = prompt * pws.cap.kv_bytes_per_token
+                    conv = kv * terms[2]
+                    xfer = kv * terms[0] + terms[1] + conv
+                    if xfer > recompute_ms:
+                        need_local = True
+                        continue
+                    o = Option(
+                        p,
+                        d,
+                        Mode.TRANSFER,
+                        xfer,
+                        recompute_ms,
+                        conv,
+                        p.wait_ms + p.run_ms + xfer,
+                        terms[3],
+                    )
+                    pair_score(o, xfer, ctx, wp, wd)
+                    options.append(o)
+            if need_local:
+                local = self._local(d, ctx)
+                if colocated:
+                    local.mode = Mode.SAME_POOL
+                pair_score(local, _handoff_cost(local), ctx, wp, wd)
+                options.append(local)
         return options
 
-    def _independent(self, pcands: list[Candidate], dcands: list[Candidate],
-                     ctx: RequestContext, rng: random.Random) -> list[Option]:
+    def _independent(
+        self,
+        pcands: list[Candidate],
+        dcands: list[Candidate],
+        ctx: RequestContext,
+        rng: random.Random,
+    ) -> list[Option]:
         prof = self.profile
         picker = prof.picker
         ps, ds = prof.prefill, prof.decode
@@ -349,21 +452,19 @@ class Planner:
         for d in dcands:
             local = self._local(d, ctx)
             option = local
-            xfer: float | None = 0.0
+            xfer: float | None = _handoff_cost(local)
             if p_best is not None and p_best.ws is not d.ws:
-                neg = fleet.negotiation(p_best.ws, d.ws)
-                xfer = None
-                if neg.transferable:
+                terms = fleet.handoff_terms(p_best.ws, d.ws)
+                if terms is not None:
                     kv = prompt * p_best.ws.cap.kv_bytes_per_token
-                    conv = neg.conversion_ms(kv) if neg.steps else 0.0
-                    t = fleet.link(p_best.ws, d.ws).transfer_ms(kv) + conv
-                    xfer = t
+                    conv = kv * terms[2]
+                    t = kv * terms[0] + terms[1] + conv
                     ttft = p_best.wait_ms + p_best.run_ms + t
-                    faster = (t <= local.recompute_ms) if prof.handoff == "seed" else (
-                        ttft <= local.ttft_ms)
-                    if faster:
-                        option = Option(p_best, d, Mode.TRANSFER, t, local.recompute_ms, conv,
-                                        ttft, tuple(str(r) for r in neg.reasons))
+                    if t <= local.recompute_ms:
+                        xfer = t
+                        option = Option(
+                            p_best, d, Mode.TRANSFER, t, local.recompute_ms, conv, ttft, terms[3]
+                        )
             total = d.score
             for scorer, weight in ds.scorers:
                 if scorer.pairwise:
@@ -416,9 +517,17 @@ class Planner:
             d = chosen.d
             recompute_ttft = d.wait_ms + chosen.recompute_ms
             est = chosen.ttft_ms + recompute_ttft
-            steps.append(FallbackStep(Mode.RECOMPUTE, d.ws.worker_id, d.ws.worker_id,
-                                      d.ws.pool_id, "kv_transfer_failed", est,
-                                      tier.ttft_ms - est))
+            steps.append(
+                FallbackStep(
+                    Mode.RECOMPUTE,
+                    d.ws.worker_id,
+                    d.ws.worker_id,
+                    d.ws.pool_id,
+                    "kv_transfer_failed",
+                    est,
+                    tier.ttft_ms - est,
+                )
+            )
         have_shared = False
         for o in rest:
             if len(steps) >= limit:
@@ -434,8 +543,17 @@ class Planner:
                 reason = "next_pool"
             else:
                 reason = "next_best_pair"
-            steps.append(FallbackStep(o.mode, o.p.ws.worker_id, wid, o.d.ws.pool_id, reason,
-                                      o.ttft_ms, tier.ttft_ms - o.ttft_ms))
+            steps.append(
+                FallbackStep(
+                    o.mode,
+                    o.p.ws.worker_id,
+                    wid,
+                    o.d.ws.pool_id,
+                    reason,
+                    o.ttft_ms,
+                    tier.ttft_ms - o.ttft_ms,
+                )
+            )
         return tuple(steps[:limit])
 
     @staticmethod
@@ -444,9 +562,15 @@ class Planner:
         return tier.queue_budget_ms
 
     @staticmethod
-    def _reject(request: Request, need: ResourceNeed, action: ServingAction,
-                reasons: tuple[str, ...], cls: str, retry: float | None,
-                record: DecisionRecord) -> Decision:
+    def _reject(
+        request: Request,
+        need: ResourceNeed,
+        action: ServingAction,
+        reasons: tuple[str, ...],
+        cls: str,
+        retry: float | None,
+        record: DecisionRecord,
+    ) -> Decision:
         return Decision(
             request_id=request.request_id,
             kind=DecisionKind.REJECT,
@@ -459,6 +583,17 @@ class Planner:
             retry_after_ms=retry,
             record=record,
         )
+
+
+def _handoff_cost(o: Option) -> float:
+    """What the hand-off costs, in ms, for the link scorers: the transfer (with conversion)
+    for TRANSFER, the decode worker's recompute for RECOMPUTE (it pays that instead of a
+    transfer), nothing for SAME_POOL."""
+    if o.mode is Mode.TRANSFER:
+        return o.transfer_ms
+    if o.mode is Mode.RECOMPUTE:
+        return o.recompute_ms
+    return 0.0
 
 
 def apply_reservations(fleet: Fleet, decision: Decision) -> None:

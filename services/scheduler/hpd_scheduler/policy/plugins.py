@@ -13,11 +13,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
+from .capacity import confidence
 from .domain import Role
 from .errors import InvalidInputError
 from .factors import (
     batch_score,
-    budget_score,
     itl_score,
     memory_gate_ok,
     memory_score,
@@ -238,7 +238,8 @@ class WorkLoadScorer(Scorer):
     type_name: ClassVar[str] = "work-load-scorer"
 
     def score(self, c: Candidate, ctx: RequestContext) -> float:
-        return budget_score(c.wait_ms + c.run_ms, ctx.tier.ttft_ms)
+        budget = ctx.tier.ttft_ms
+        return budget / (budget + c.wait_ms + c.run_ms)
 
 
 @REGISTRY.register
@@ -260,7 +261,8 @@ class QueueWaitScorer(Scorer):
     type_name: ClassVar[str] = "queue-wait-scorer"
 
     def score(self, c: Candidate, ctx: RequestContext) -> float:
-        return budget_score(c.wait_ms, ctx.tier.queue_budget_ms)
+        budget = ctx.tier.queue_budget_ms
+        return budget / (budget + c.wait_ms)
 
 
 @REGISTRY.register
@@ -301,7 +303,8 @@ class LinkTransferScorer(Scorer):
     def score_pair(self, c: Candidate, transfer_ms: float | None, ctx: RequestContext) -> float:
         if transfer_ms is None:
             return 0.5
-        return budget_score(transfer_ms, ctx.tier.ttft_ms * self.params.budget_fraction)
+        budget = ctx.tier.ttft_ms * self.params.budget_fraction
+        return budget / (budget + transfer_ms) if transfer_ms > 0 else 1.0
 
 
 @REGISTRY.register
@@ -421,8 +424,6 @@ class StalenessScorer(Scorer):
     type_name: ClassVar[str] = "staleness-scorer"
 
     def score(self, c: Candidate, ctx: RequestContext) -> float:
-        from .capacity import confidence
-
         return confidence(c.ws.reported_at_s, ctx.now_s, ctx.fleet.staleness)
 
 

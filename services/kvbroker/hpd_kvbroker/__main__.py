@@ -1,0 +1,58 @@
+"""`hpd kvbroker`: run the KV broker service alone."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+from collections.abc import Sequence
+
+import redis.asyncio as aioredis
+
+from hpd_common import redis_conn
+from hpd_common.clock import Clock, SystemClock
+from hpd_common.errors import InvalidArgument
+from hpd_common.logging import configure_logging
+from hpd_common.metrics import serve_metrics
+from hpd_common.server import GrpcServer, run_until_signal
+from hpd_common.settings import add_arguments, load_settings
+from hpd_kvbroker.api import KvBrokerComponent
+from hpd_kvbroker.service import KvBrokerService, KvBrokerSettings
+
+
+def build_server(
+    settings: KvBrokerSettings,
+    client: aioredis.Redis | None = None,
+    clock: Clock | None = None,
+    rng: random.Random | None = None,
+) -> GrpcServer:
+    """A broker server on settings.port over `client` (or a new client for redis_url)."""
+    if client is None:
+        if not settings.redis_url:
+            raise InvalidArgument("redis_url", "is required (or run `hpd up` for an embedded one)")
+        client = redis_conn.connect(settings.redis_url)
+    service = KvBrokerService(settings, client, clock or SystemClock(), rng)
+    return GrpcServer("kvbroker", settings, KvBrokerComponent(service), client)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="hpd kvbroker",
+        description="Run the KV broker: KV format negotiation, the prefill x decode "
+        "compatibility matrix, KV transfer sessions.",
+    )
+    add_arguments(p, KvBrokerSettings)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    settings = load_settings(KvBrokerSettings, args)
+    configure_logging(settings.log_level, settings.json_logs)
+    serve_metrics(settings.metrics_port, settings.host)
+    asyncio.run(run_until_signal([build_server(settings)]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,631 @@
+"""KV broker use cases: async, owns the store, the clock, the fleet view and the loops.
+
+Background loops (one set per replica, all safe to run on several replicas):
+- the fleet informer (when `registry_target` is set): the registry's WatchWorkers keeps
+  the compatibility matrix current, and a worker that leaves the fleet (lease expired or
+  deregistered) has its open sessions failed at once, with the registry's reason;
+- the sweeper: every `sweep_interval_ms`, one script expires overdue sessions, fails the
+  open sessions of workers whose registry lease is gone (the safety net when the feed was
+  missed, e.g. the broker was down), and purges terminal sessions past retention;
+- the feed tailer: one blocking XREAD per replica fans session changes out to the
+  WatchSession streams of this replica.
+
+Worker lookups (Negotiate, OpenSession) read the informer's in-memory view and fall back
+to the registry's Redis record when the worker is not (yet) in it, so a worker can be
+used the moment its registration returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import random
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from hpd_common.clock import Clock
+from hpd_common.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    Unavailable,
+)
+from hpd_common.informer import FleetChange, FleetInformer
+from hpd_common.kvformat import KvFormat, KvFormatError, KvPolicy, Negotiation, Verdict
+from hpd_common.logging import get_logger
+from hpd_common.server import ServerSettings
+from hpd_common.settings import split_csv
+from hpd_kvbroker import metrics
+from hpd_kvbroker.domain import (
+    SCHEDULER_OPS,
+    Op,
+    Session,
+    SessionState,
+    check_expected_bytes,
+    check_ids,
+    check_reason,
+    negotiation_json,
+    worker_lost_reason,
+)
+from hpd_kvbroker.keys import KvKeys
+from hpd_kvbroker.matrix import CompatibilityMatrix, MatrixView
+from hpd_kvbroker.store import OpenArgs, Result, SessionStore, SweepResult, decode_session
+from hpd_registry.domain import WorkerRecord, check_id
+from hpd_registry.keys import RegistryKeys
+from hpd_registry.store import RegistryStore, credential_hash
+
+log = get_logger("kvbroker")
+
+MAX_CREDENTIAL_LEN = 256
+
+
+@dataclass(frozen=True, slots=True)
+class KvBrokerSettings(ServerSettings):
+    port: int = field(default=50053, metadata={"help": "gRPC port of the KV broker"})
+    key_prefix: str = field(default="hpd", metadata={"help": "prefix of the broker's Redis keys"})
+    registry_key_prefix: str = field(
+        default="hpd",
+        metadata={"help": "the registry's key prefix (credentials and leases are read there)"},
+    )
+    registry_target: str = field(
+        default="",
+        metadata={
+            "help": "registry host:port for the fleet feed (matrix, worker loss); "
+            "empty = no feed (Negotiate and OpenSession read the registry's records in Redis)"
+        },
+    )
+    scheduler_token: str = field(
+        default="",
+        metadata={
+            "help": "secret the scheduler presents to open and abort sessions; empty = "
+            "anyone may open and abort without a credential (development only)"
+        },
+    )
+    default_deadline_ms: int = field(default=30_000, metadata={"help": "session deadline if unset"})
+    max_deadline_ms: int = field(default=600_000, metadata={"help": "longest session deadline"})
+    lease_ttl_ms: int = field(
+        default=5_000, metadata={"help": "default session lease (longest gap between reports)"}
+    )
+    min_lease_ttl_ms: int = field(default=100, metadata={"help": "shortest session lease"})
+    max_lease_ttl_ms: int = field(default=120_000, metadata={"help": "longest session lease"})
+    sweep_interval_ms: int = field(
+        default=500, metadata={"help": "how often overdue sessions and lost workers are checked"}
+    )
+    retention_ms: int = field(
+        default=600_000, metadata={"help": "how long terminal sessions are kept for inspection"}
+    )
+    feed_max_len: int = field(
+        default=100_000, metadata={"help": "session-change feed entries kept"}
+    )
+    watch_poll_ms: int = field(
+        default=2_000,
+        metadata={"help": "a WatchSession stream re-reads its session when idle this long"},
+    )
+    allow_lossy_narrowing: bool = field(
+        default=False, metadata={"help": "allow lossy KV dtype casts (e.g. bf16 -> fp8)"}
+    )
+    compatible_backends: str = field(
+        default="",
+        metadata={
+            "help": "groups of attention backends that read each other's KV, "
+            "e.g. 'flash_attn+flashinfer,xformers+sdpa'"
+        },
+    )
+
+
+def policy_from(settings: KvBrokerSettings) -> KvPolicy:
+    """The KV policy the settings describe; a group needs at least two backends."""
+    groups = []
+    for part in split_csv(settings.compatible_backends):
+        names = frozenset(x.strip() for x in part.split("+") if x.strip())
+        if len(names) < 2:
+            raise InvalidArgument("compatible_backends", f"group {part!r} names fewer than two")
+        groups.append(names)
+    return KvPolicy(
+        allow_lossy_narrowing=settings.allow_lossy_narrowing,
+        compatible_backends=frozenset(groups),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who calls: a worker (id + registry credential) or the scheduler (token)."""
+
+    worker_id: str = ""
+    credential: str = ""
+    scheduler_token: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class OpenRequest:
+    request_id: str
+    source_worker_id: str
+    destination_worker_id: str
+    expected_bytes: int
+    deadline_ms: int = 0
+    lease_ttl_ms: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Negotiated:
+    negotiation: Negotiation
+    source: KvFormat
+    destination: KvFormat
+
+
+class _ReasonInformer(FleetInformer):
+    """A FleetInformer that also remembers why the registry dropped each worker.
+
+    FleetChange carries no reason; the broker needs it ("lease_expired" vs
+    "deregistered") for the sessions it fails. The reason is recorded before the base
+    class calls the change listener.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.delete_reasons: dict[str, str] = {}
+
+    def _apply(self, ev: Any) -> None:
+        if ev.type == 5:  # WATCH_EVENT_TYPE_DELETE
+            self.delete_reasons[ev.worker_id] = ev.reason
+        super()._apply(ev)
+
+
+def _random_ids(rng: random.Random) -> Callable[[int], str]:
+    def new_id(now_ms: int) -> str:
+        return f"{now_ms:012x}{rng.getrandbits(48):012x}"
+
+    return new_id
+
+
+_OP_VERB = {
+    Op.RESERVE: "reserve",
+    Op.PROGRESS: "report progress on",
+    Op.COMPLETE: "complete",
+    Op.FAIL: "fail",
+    Op.ABORT: "abort",
+    Op.EXPIRE: "expire",
+}
+
+
+class KvBrokerService:
+    """The broker's use cases; the gRPC servicer is a thin layer over this."""
+
+    def __init__(
+        self,
+        settings: KvBrokerSettings,
+        client: aioredis.Redis,
+        clock: Clock,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.settings = settings
+        self.client = client
+        self.clock = clock
+        self.policy = policy_from(settings)
+        self.store = SessionStore(
+            client,
+            KvKeys(settings.key_prefix),
+            RegistryKeys(settings.registry_key_prefix),
+            settings.retention_ms,
+            settings.feed_max_len,
+        )
+        self.registry = RegistryStore(client, RegistryKeys(settings.registry_key_prefix))
+        self.matrix = CompatibilityMatrix(self.policy)
+        self._new_id = _random_ids(rng or random.SystemRandom())
+        self.informer: _ReasonInformer | None = None
+        if settings.registry_target:
+            self.informer = _ReasonInformer(
+                settings.registry_target, on_change=self._on_fleet_change, clock=clock
+            )
+        self._watchers: dict[str, set[asyncio.Queue[Session]]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._background: set[asyncio.Task[list[Session]]] = set()
+        self._tail_client: aioredis.Redis | None = None
+        self._tail_wanted = asyncio.Event()
+        self._tail_ready = asyncio.Event()
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def start(self, sweeper: bool = True) -> None:
+        kwargs = dict(self.client.connection_pool.connection_kwargs)
+        kwargs["socket_timeout"] = max(2.0, (kwargs.get("socket_timeout") or 1.0) * 2)
+        pool = aioredis.ConnectionPool(
+            connection_class=self.client.connection_pool.connection_class,
+            max_connections=4,
+            **kwargs,
+        )
+        self._tail_client = self.client.__class__(connection_pool=pool)
+        self._tasks = [asyncio.create_task(self._tail_feed(), name="kvbroker-feed")]
+        if sweeper:
+            self._tasks.append(asyncio.create_task(self._sweeper(), name="kvbroker-sweeper"))
+        if self.informer is not None:
+            await self.informer.start()
+
+    async def stop(self) -> None:
+        if self.informer is not None:
+            await self.informer.stop()
+        for task in [*self._tasks, *self._background]:
+            task.cancel()
+        await asyncio.gather(*self._tasks, *self._background, return_exceptions=True)
+        if self._tail_client is not None:
+            await self._tail_client.aclose()
+
+    # -- negotiation and the matrix ---------------------------------------------------------
+
+    async def _worker(self, path: str, worker_id: str) -> WorkerRecord:
+        check_id(path, worker_id)
+        if self.informer is not None:
+            rec = self.informer.workers.get(worker_id)
+            if rec is not None:
+                return rec
+        rec = await self.registry.get(worker_id)
+        if rec is None or rec.state.lease_expires_at_ms < self.clock.now_ms():
+            raise NotFound("worker", worker_id)
+        return rec
+
+    async def _format(self, path: str, ref: str | KvFormat) -> KvFormat:
+        if isinstance(ref, KvFormat):
+            try:
+                ref.validate()
+            except KvFormatError as exc:
+                raise InvalidArgument(f"{path}_format.{exc.field}", exc.message) from exc
+            return ref
+        return (await self._worker(f"{path}_worker_id", ref)).spec.kv_format
+
+    async def negotiate(self, source: str | KvFormat, destination: str | KvFormat) -> Negotiated:
+        """The verdict for KV moving from `source` to `destination` (worker ids or formats)."""
+        src = await self._format("source", source)
+        dst = await self._format("destination", destination)
+        n = self.matrix.negotiate(src, dst)
+        metrics.observe_negotiation(n.verdict)
+        return Negotiated(n, src, dst)
+
+    def compatibility(self, model_id: str) -> MatrixView:
+        check_id("model_id", model_id)
+        return self.matrix.view(model_id)
+
+    def _on_fleet_change(self, change: FleetChange) -> None:
+        if change.kind == "resync" and self.informer is not None:
+            self.matrix.reset(list(self.informer.workers.values()), change.revision)
+        elif change.kind == "put" and change.record is not None:
+            self.matrix.put(change.record, change.revision)
+        elif change.kind == "delete":
+            self.matrix.delete(change.worker_id, change.revision)
+            why = self.informer.delete_reasons.pop(change.worker_id, "") if self.informer else ""
+            task = asyncio.get_running_loop().create_task(
+                self.worker_lost(change.worker_id, worker_lost_reason(change.worker_id, why))
+            )
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        metrics.MATRIX_PAIRS.set(self.matrix.pair_count)
+
+    async def worker_lost(self, worker_id: str, reason: str) -> list[Session]:
+        """Fails the worker's open sessions (the sweeper retries if Redis is away now)."""
+        try:
+            failed = await self.store.fail_worker(worker_id, reason, self.clock.now_ms())
+        except Unavailable as exc:
+            log.warning("worker_loss_not_applied", worker_id=worker_id, error=str(exc))
+            return []
+        for s in failed:
+            metrics.observe_change(s)
+            log.info("kv_session_failed", session_id=s.session_id, reason=reason)
+        return failed
+
+    # -- sessions ---------------------------------------------------------------------------
+
+    def _authenticate(self, caller: Caller, op: Op | None) -> tuple[str, str]:
+        """(actor, credential hash): actor '' is the scheduler. op None = opening."""
+        scheduler_may = op is None or op in SCHEDULER_OPS
+        if caller.scheduler_token:
+            if not scheduler_may:
+                raise PermissionDenied("only the session's workers may do this, not the scheduler")
+            token = self.settings.scheduler_token
+            if token and not hmac.compare_digest(token.encode(), caller.scheduler_token.encode()):
+                raise PermissionDenied("scheduler token does not match")
+            return "", ""
+        if caller.worker_id:
+            check_id("caller.worker_id", caller.worker_id)
+            if not caller.credential:
+                raise InvalidArgument("caller.credential", "is required with caller.worker_id")
+            if len(caller.credential) > MAX_CREDENTIAL_LEN:
+                raise InvalidArgument(
+                    "caller.credential", f"longer than {MAX_CREDENTIAL_LEN} characters"
+                )
+            return caller.worker_id, credential_hash(caller.credential)
+        if scheduler_may and not self.settings.scheduler_token:
+            return "", ""
+        raise InvalidArgument(
+            "caller.worker_id",
+            "is required: a session worker's id and registry credential"
+            + (" (or the scheduler token)" if scheduler_may else ""),
+        )
+
+    def _clamp_lease(self, requested_ms: int, deadline_ms: int) -> int:
+        s = self.settings
+        ttl = requested_ms or s.lease_ttl_ms
+        return max(s.min_lease_ttl_ms, min(s.max_lease_ttl_ms, ttl, deadline_ms))
+
+    async def open(self, req: OpenRequest, caller: Caller) -> tuple[Session, bool]:
+        """Opens (or, for a known request id, returns) the session; (session, created)."""
+        check_ids(
+            request_id=req.request_id,
+            source_worker_id=req.source_worker_id,
+            destination_worker_id=req.destination_worker_id,
+        )
+        if req.source_worker_id == req.destination_worker_id:
+            raise InvalidArgument("destination_worker_id", "must differ from source_worker_id")
+        check_expected_bytes("expected_bytes", req.expected_bytes)
+        deadline = req.deadline_ms or self.settings.default_deadline_ms
+        if deadline > self.settings.max_deadline_ms:
+            raise InvalidArgument("deadline_ms", f"at most {self.settings.max_deadline_ms}")
+        actor, cred = self._authenticate(caller, None)
+        n = await self.negotiate(req.source_worker_id, req.destination_worker_id)
+        if n.negotiation.verdict is Verdict.INCOMPATIBLE:
+            raise FailedPrecondition(
+                f"KV of {req.source_worker_id!r} cannot be used by {req.destination_worker_id!r}: "
+                + "; ".join(n.negotiation.details),
+                {"kv_format": n.negotiation.reasons},
+            )
+        now = self.clock.now_ms()
+        args = OpenArgs(
+            session_id=self._new_id(now),
+            request_id=req.request_id,
+            source_worker_id=req.source_worker_id,
+            destination_worker_id=req.destination_worker_id,
+            expected_bytes=req.expected_bytes,
+            deadline_ms=deadline,
+            lease_ttl_ms=self._clamp_lease(req.lease_ttl_ms, deadline),
+            negotiation_json=negotiation_json(n.negotiation),
+        )
+        res = await self.store.open(args, actor, cred, now)
+        if res.status == "conflict":
+            raise AlreadyExists(
+                f"request id {req.request_id!r} already has session {res.detail} with other "
+                "workers or another size"
+            )
+        if res.status == "gone":
+            raise NotFound("worker", res.detail)
+        self._raise_auth(res, actor, "")
+        assert res.session is not None
+        if res.status == "created":
+            metrics.observe_change(res.session)
+        return res.session, res.status == "created"
+
+    def _raise_auth(self, res: Result, actor: str, session_id: str) -> None:
+        if res.status == "missing":
+            raise NotFound("session", session_id)
+        if res.status == "denied":
+            raise PermissionDenied(
+                f"credential does not match worker {actor!r}, or its registry lease has expired"
+            )
+        if res.status == "not_party":
+            raise PermissionDenied(f"worker {actor!r} is not a party to this session")
+
+    async def _transition(
+        self,
+        session_id: str,
+        op: Op,
+        caller: Caller,
+        bytes_done: int | None = None,
+        reason: str = "",
+    ) -> Session:
+        check_id("session_id", session_id)
+        actor, cred = self._authenticate(caller, op)
+        res = await self.store.transition(
+            session_id, op.value, actor, cred, self.clock.now_ms(), bytes_done, reason
+        )
+        self._raise_auth(res, actor, session_id)
+        s = res.session
+        assert s is not None
+        if res.status == "expired_first":
+            metrics.observe_change(s)
+            log.info("kv_session_expired", session_id=session_id, reason=s.reason)
+            raise FailedPrecondition(f"session {session_id!r} expired ({s.reason})")
+        if res.status == "illegal":
+            raise FailedPrecondition(f"cannot {_OP_VERB[op]} a session in state {s.state.value}")
+        if res.status == "backwards":
+            raise FailedPrecondition(
+                f"bytes_done {bytes_done} is below the {s.bytes_done} already reported: "
+                "bytes never go backwards"
+            )
+        if res.status == "overflow":
+            raise InvalidArgument("bytes_done", f"exceeds expected_bytes {s.expected_bytes}")
+        if res.status == "applied":
+            metrics.observe_change(s)
+            if s.state.terminal and s.state is not SessionState.COMPLETE:
+                log.info(
+                    "kv_session_ended", session_id=session_id, state=s.state.value, reason=s.reason
+                )
+        return s
+
+    async def report(
+        self, session_id: str, caller: Caller, state: SessionState, bytes_done: int, reason: str
+    ) -> Session:
+        """A worker's progress report: TRANSFERRING (bytes), RESERVED or FAILED (reason)."""
+        if state is SessionState.TRANSFERRING:
+            return await self._transition(session_id, Op.PROGRESS, caller, bytes_done)
+        if state is SessionState.RESERVED:
+            return await self._transition(session_id, Op.RESERVE, caller, bytes_done)
+        if state is SessionState.FAILED:
+            check_reason("reason", reason, required=True)
+            return await self._transition(session_id, Op.FAIL, caller, reason=reason)
+        raise InvalidArgument("state", "must be TRANSFERRING, RESERVED or FAILED")
+
+    async def complete(self, session_id: str, caller: Caller) -> Session:
+        return await self._transition(session_id, Op.COMPLETE, caller)
+
+    async def abort(self, session_id: str, caller: Caller, reason: str) -> Session:
+        check_reason("reason", reason)
+        return await self._transition(session_id, Op.ABORT, caller, reason=reason or "aborted")
+
+    async def _resolve(self, session_id: str, request_id: str) -> Session:
+        if bool(session_id) == bool(request_id):
+            raise InvalidArgument("session_id", "give exactly one of session_id and request_id")
+        if session_id:
+            check_id("session_id", session_id)
+            s = await self.store.get(session_id)
+            if s is None:
+                raise NotFound("session", session_id)
+            return s
+        check_id("request_id", request_id)
+        s = await self.store.get_by_request(request_id)
+        if s is None:
+            raise NotFound("session for request", request_id)
+        return s
+
+    async def get(self, session_id: str = "", request_id: str = "") -> Session:
+        return await self._resolve(session_id, request_id)
+
+    async def list_sessions(
+        self, state: SessionState | None, worker_id: str, page_size: int, page_token: str
+    ) -> tuple[list[Session], str]:
+        """A page of matching sessions in id order and the next page token ('' at the end).
+
+        Filters are applied while scanning the id index, so a selective filter over many
+        kept sessions reads more than one page of them (bounded by retention)."""
+        if page_size == 0:
+            page_size = 100
+        if not 1 <= page_size <= 1000:
+            raise InvalidArgument("page_size", "must be in 1..1000")
+        if page_token:
+            check_id("page_token", page_token)
+        if worker_id:
+            check_id("worker_id", worker_id)
+        out: list[Session] = []
+        after = page_token
+        while len(out) < page_size:
+            batch = await self.store.page(after, 256)
+            if not batch:
+                return out, ""
+            for s in batch:
+                after = s.session_id
+                if (state is None or s.state is state) and (
+                    not worker_id or worker_id in s.parties()
+                ):
+                    out.append(s)
+                    if len(out) == page_size:
+                        break
+        more = await self.store.has_more(after)
+        return out, (after if more else "")
+
+    async def watch(
+        self, session_id: str, request_id: str, from_version: int
+    ) -> AsyncIterator[Session]:
+        """The session's state (if newer than from_version), then each change, up to and
+        including a terminal state.
+
+        The stream subscribes before it reads, so a change made between the read and the
+        subscription cannot be lost; and it re-reads the session whenever it has heard
+        nothing for `watch_poll_ms`, so a missed feed entry costs latency, never a state.
+        """
+        if session_id:
+            check_id("session_id", session_id)
+        queue: asyncio.Queue[Session] = asyncio.Queue()
+        poll_s = self.settings.watch_poll_ms / 1000
+        key = session_id
+        if key:
+            await self._subscribe(key, queue, poll_s)
+        try:
+            s = await self._resolve(session_id, request_id)
+            if not key:
+                key = s.session_id
+                await self._subscribe(key, queue, poll_s)
+                s = await self._resolve(key, "")
+            last = from_version
+            while True:
+                if s.version > last:
+                    last = s.version
+                    yield s
+                if s.state.terminal:
+                    return
+                try:
+                    s = await asyncio.wait_for(queue.get(), poll_s)
+                except TimeoutError:
+                    fresh = await self.store.get(key)
+                    if fresh is None:
+                        raise NotFound("session", key) from None
+                    s = fresh
+        finally:
+            subs = self._watchers.get(key)
+            if subs is not None:
+                subs.discard(queue)
+                if not subs:
+                    del self._watchers[key]
+
+    async def _subscribe(self, key: str, queue: asyncio.Queue[Session], wait_s: float) -> None:
+        """Registers a watcher and waits (up to wait_s) until the feed reader has its
+        position, so that the session read which follows cannot miss a change."""
+        self._watchers.setdefault(key, set()).add(queue)
+        self._tail_wanted.set()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._tail_ready.wait(), wait_s)
+
+    # -- background loops -------------------------------------------------------------------
+
+    async def sweep_once(self) -> SweepResult:
+        result = await self.store.sweep(self.clock.now_ms())
+        for s in result.changed:
+            metrics.observe_change(s)
+            event = "kv_session_" + s.state.value.lower()
+            log.info(event, session_id=s.session_id, reason=s.reason)
+        metrics.OPEN_SESSIONS.set(result.open_sessions)
+        return result
+
+    async def _sweeper(self) -> None:
+        interval_s = self.settings.sweep_interval_ms / 1000
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.sweep_once()
+            except Unavailable as exc:
+                log.warning("sweep_failed", error=str(exc))
+
+    async def _tail_feed(self) -> None:
+        """One blocking reader per replica feeds every WatchSession stream it serves.
+
+        It reads only while this replica has watchers (an idle reader would pay a Redis
+        reply per session change for nothing). When it starts it fixes its position at the
+        feed's last entry and then sets `_tail_ready`; a new watcher waits for that before
+        reading its session, so every change after that read is delivered."""
+        assert self._tail_client is not None
+        last: str | None = None
+        while True:
+            try:
+                if not self._watchers:
+                    last = None
+                    self._tail_ready.clear()
+                    await self._tail_wanted.wait()
+                    self._tail_wanted.clear()
+                    continue
+                if last is None:
+                    last = await self.store.feed_last_id()
+                    self._tail_ready.set()
+                entries = await self.store.feed_block(self._tail_client, last, 500)
+                for entry_id, sid, fields in entries:
+                    last = entry_id
+                    queues = self._watchers.get(sid)
+                    if queues:
+                        s = decode_session(fields)
+                        for q in list(queues):
+                            q.put_nowait(s)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis away: retry; watchers poll meanwhile
+                log.warning("feed_tail_failed", error=str(exc))
+                await asyncio.sleep(0.5)
+
+
+@contextlib.asynccontextmanager
+async def running(service: KvBrokerService, sweeper: bool = True) -> AsyncIterator[KvBrokerService]:
+    """Starts the service's loops for the duration of a block (tests, tools)."""
+    await service.start(sweeper)
+    try:
+        yield service
+    finally:
+        await service.stop()

@@ -1,0 +1,532 @@
+"""The broker's Redis store: every session change is one Lua script, atomic with its checks.
+
+Each mutating script checks the caller (its registry credential and lease, read from the
+registry's worker hash in the same script), applies `domain.TRANSITIONS` (embedded as a
+Lua table generated from the Python dict), keeps the indexes, bumps the version and
+appends the change to the feed in one step. So an illegal transition changes nothing, two
+replicas can never both apply a change to one version, and the sweeper, which picks and
+expires overdue sessions inside one script, expires each exactly once however many
+replicas run it. Key layout: `hpd_kvbroker.keys`.
+
+Script results are `{status, <the session's hash, flattened>}`; statuses mirror
+`domain.Status` plus the authorisation outcomes `denied`, `not_party`, `missing`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from hpd_common.errors import Unavailable
+from hpd_common.kvformat import Negotiation
+from hpd_kvbroker.domain import (
+    Session,
+    SessionState,
+    lua_terminal_set,
+    lua_transition_table,
+    negotiation_from_dict,
+)
+from hpd_kvbroker.keys import KvKeys
+from hpd_registry.keys import RegistryKeys
+
+# KEYS: 1 ids, 2 due, 3 done, 4 busy, 5 feed.  ARGV: 1 now_ms, then per script.
+# A store's constants (key prefixes, feed length, retention) are written into its copy of
+# the scripts (`_render`), so a call sends only what varies.
+_PRELUDE = (
+    """
+local now = tonumber(ARGV[1])
+local SP, RP, OP, RW = '@SP@', '@RP@', '@OP@', '@RW@'
+local retain = @RETAIN@
+local T = """
+    + lua_transition_table()
+    + """
+local TERMINAL = """
+    + lua_terminal_set()
+    + """
+local function emit(key, sid)
+  local h = redis.call('HGETALL', key)
+  local args = {'XADD', KEYS[5], 'MAXLEN', '~', @FEEDMAX@, '*'}
+  for i = 1, #h, 2 do
+    if h[i] ~= 'fp' then
+      args[#args + 1] = h[i]
+      args[#args + 1] = h[i + 1]
+    end
+  end
+  redis.call(unpack(args))
+  return h
+end
+local function due(key)
+  local f = redis.call('HMGET', key, 'dl', 'lexp')
+  return math.min(tonumber(f[1]), tonumber(f[2]))
+end
+local function settle(key, sid, st)
+  local f = redis.call('HMGET', key, 'src', 'dst', 'rid')
+  if TERMINAL[st] then
+    redis.call('ZREM', KEYS[2], sid)
+    redis.call('SREM', OP .. f[1], sid)
+    redis.call('SREM', OP .. f[2], sid)
+    redis.call('ZADD', KEYS[3], now + retain, sid)
+    redis.call('PEXPIRE', key, retain + 60000)
+    redis.call('PEXPIRE', RP .. f[3], retain + 60000)
+  else
+    redis.call('ZADD', KEYS[2], due(key), sid)
+  end
+end
+local function change(key, sid, st, by, why)
+  redis.call('HINCRBY', key, 'ver', 1)
+  redis.call('HSET', key, 'st', st, 'upd', now, 'by', by)
+  if why then redis.call('HSET', key, 'why', why) end
+  settle(key, sid, st)
+  return emit(key, sid)
+end
+local function expiry_reason(key)
+  if tonumber(redis.call('HGET', key, 'dl')) < now then return 'deadline_exceeded' end
+  return 'session_lease_expired'
+end
+local function live(wid)
+  local exp = redis.call('HGET', RW .. wid, 'exp')
+  return exp and tonumber(exp) >= now
+end
+local function authorized(actor, cred, src, dst)
+  if actor == '' then return 'ok' end
+  if actor ~= src and actor ~= dst then return 'not_party' end
+  local w = redis.call('HMGET', RW .. actor, 'cred', 'exp')
+  if not w[1] or w[1] ~= cred or tonumber(w[2] or '0') < now then return 'denied' end
+  return 'ok'
+end
+"""
+)
+
+# ARGV 2 sid, 3 rid, 4 src, 5 dst, 6 actor ('' = scheduler), 7 credential hash,
+# 8 expected bytes, 9 deadline ms, 10 lease ttl ms, 11 negotiation JSON, 12 fingerprint.
+_OPEN = (
+    _PRELUDE
+    + """
+local sid, rid, src, dst = ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local a = authorized(ARGV[6], ARGV[7], src, dst)
+if a ~= 'ok' then return {a} end
+local rkey = RP .. rid
+local old = redis.call('GET', rkey)
+if old then
+  local okey = SP .. old
+  if redis.call('EXISTS', okey) == 1 then
+    if redis.call('HGET', okey, 'fp') ~= ARGV[12] then return {'conflict', old} end
+    return {'same', redis.call('HGETALL', okey)}
+  end
+end
+if not live(src) then return {'gone', src} end
+if not live(dst) then return {'gone', dst} end
+local key = SP .. sid
+local by = ARGV[6]
+if by == '' then by = 'scheduler' end
+local ttl = tonumber(ARGV[10])
+redis.call('HSET', key, 'sid', sid, 'rid', rid, 'src', src, 'dst', dst, 'st', 'NEGOTIATED',
+  'exb', ARGV[8], 'done', 0, 'crt', now, 'upd', now, 'dl', ARGV[9], 'lexp', now + ttl,
+  'ttl', ttl, 'why', '', 'ver', 1, 'by', by, 'neg', ARGV[11], 'fp', ARGV[12])
+redis.call('SET', rkey, sid)
+redis.call('ZADD', KEYS[1], 0, sid)
+redis.call('SADD', OP .. src, sid)
+redis.call('SADD', OP .. dst, sid)
+redis.call('SADD', KEYS[4], src, dst)
+settle(key, sid, 'NEGOTIATED')
+return {'created', emit(key, sid)}
+"""
+)
+
+# ARGV 2 sid, 3 op, 4 actor ('' = scheduler), 5 credential hash, 6 bytes ('' = none),
+# 7 reason.
+_TRANSITION = (
+    _PRELUDE
+    + """
+local sid, op, actor = ARGV[2], ARGV[3], ARGV[4]
+local key = SP .. sid
+if redis.call('EXISTS', key) == 0 then return {'missing'} end
+local f = redis.call('HMGET', key, 'st', 'src', 'dst', 'done', 'exb', 'ttl')
+local a = authorized(actor, ARGV[5], f[2], f[3])
+if a ~= 'ok' then return {a} end
+local st = f[1]
+local by = actor
+if by == '' then by = 'scheduler' end
+if not TERMINAL[st] and due(key) < now then
+  return {'expired_first', change(key, sid, 'EXPIRED', 'broker', expiry_reason(key))}
+end
+local nxt = T[st] and T[st][op]
+if not nxt then return {'illegal', redis.call('HGETALL', key)} end
+if nxt == st and TERMINAL[st] then return {'unchanged', redis.call('HGETALL', key)} end
+if op == 'reserve' or op == 'progress' then
+  local done = tonumber(f[4])
+  if ARGV[6] ~= '' then
+    local b = tonumber(ARGV[6])
+    if b < done then return {'backwards', redis.call('HGETALL', key)} end
+    if b > tonumber(f[5]) then return {'overflow', redis.call('HGETALL', key)} end
+    done = b
+  end
+  redis.call('HSET', key, 'done', done, 'lexp', now + tonumber(f[6]))
+  return {'applied', change(key, sid, nxt, by, nil)}
+elseif op == 'complete' then
+  redis.call('HSET', key, 'done', f[5])
+  return {'applied', change(key, sid, nxt, by, nil)}
+end
+local why = ARGV[7]
+if op == 'expire' and why == '' then why = expiry_reason(key) end
+return {'applied', change(key, sid, nxt, by, why)}
+"""
+)
+
+# ARGV 2 batch limit. Expires overdue sessions, fails the open sessions of workers whose
+# registry lease is gone, purges terminal sessions past retention.
+_SWEEP = (
+    _PRELUDE
+    + """
+local limit = tonumber(ARGV[2])
+local changed = {}
+local overdue = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', '(' .. now, 'LIMIT', 0, limit)
+for _, sid in ipairs(overdue) do
+  local key = SP .. sid
+  local st = redis.call('HGET', key, 'st')
+  if st and not TERMINAL[st] then
+    if due(key) < now then
+      changed[#changed + 1] = change(key, sid, 'EXPIRED', 'broker', expiry_reason(key))
+    end
+  else
+    redis.call('ZREM', KEYS[2], sid)
+  end
+end
+for _, wid in ipairs(redis.call('SMEMBERS', KEYS[4])) do
+  if redis.call('SCARD', OP .. wid) == 0 then
+    redis.call('SREM', KEYS[4], wid)
+  elseif not live(wid) then
+    local why = 'worker_gone: ' .. wid
+    if redis.call('EXISTS', RW .. wid) == 1 then why = 'worker_lease_expired: ' .. wid end
+    for _, sid in ipairs(redis.call('SMEMBERS', OP .. wid)) do
+      local key = SP .. sid
+      local st = redis.call('HGET', key, 'st')
+      if st and not TERMINAL[st] then
+        changed[#changed + 1] = change(key, sid, 'FAILED', 'broker', why)
+      else
+        redis.call('SREM', OP .. wid, sid)
+      end
+    end
+    redis.call('SREM', KEYS[4], wid)
+  end
+end
+local purged = 0
+for _, sid in ipairs(redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', '(' .. now, 'LIMIT', 0, limit)) do
+  local key = SP .. sid
+  local rid = redis.call('HGET', key, 'rid')
+  if rid and redis.call('GET', RP .. rid) == sid then redis.call('DEL', RP .. rid) end
+  redis.call('DEL', key)
+  redis.call('ZREM', KEYS[1], sid)
+  redis.call('ZREM', KEYS[3], sid)
+  purged = purged + 1
+end
+return {changed, purged, redis.call('ZCARD', KEYS[2])}
+"""
+)
+
+# ARGV 2 worker id, 3 reason. Fails every open session of one worker (it left the fleet).
+_FAIL_WORKER = (
+    _PRELUDE
+    + """
+local wid = ARGV[2]
+local changed = {}
+for _, sid in ipairs(redis.call('SMEMBERS', OP .. wid)) do
+  local key = SP .. sid
+  local st = redis.call('HGET', key, 'st')
+  if st and not TERMINAL[st] then
+    changed[#changed + 1] = change(key, sid, 'FAILED', 'broker', ARGV[3])
+  else
+    redis.call('SREM', OP .. wid, sid)
+  end
+end
+return changed
+"""
+)
+
+_BY_REQUEST = """
+local sid = redis.call('GET', ARGV[1] .. ARGV[2])
+if not sid then return {} end
+return redis.call('HGETALL', ARGV[3] .. sid)
+"""
+
+
+_SAFE = re.compile(r"^[A-Za-z0-9._:{}\-]+$")
+"""What a key prefix or number may contain to be written into a Lua string literal."""
+
+
+def _s(value: bytes | str | None) -> str:
+    if value is None:
+        return ""
+    return value.decode() if isinstance(value, bytes) else value
+
+
+@functools.lru_cache(maxsize=4096)
+def _negotiation(text: str) -> Negotiation:
+    """Stored negotiations repeat (a fleet has few format pairs): decode each text once."""
+    return negotiation_from_dict(json.loads(text))
+
+
+def decode_session(fields: Mapping[Any, Any]) -> Session:
+    """A session from its hash fields (as stored, or as carried by a feed entry)."""
+    return _decode(
+        {
+            (k.decode() if type(k) is bytes else str(k)): (
+                v.decode() if type(v) is bytes else str(v)
+            )
+            for k, v in fields.items()
+        }
+    )
+
+
+def decode_flat(flat: Sequence[Any]) -> Session:
+    """A session from HGETALL's flat [field, value, ...] reply (bytes)."""
+    it = iter(flat)
+    return _decode(
+        {
+            (k.decode() if type(k) is bytes else str(k)): (
+                v.decode() if type(v) is bytes else str(v)
+            )
+            for k, v in zip(it, it, strict=True)
+        }
+    )
+
+
+def _decode(f: dict[str, str]) -> Session:
+    return Session(
+        session_id=f["sid"],
+        request_id=f.get("rid", ""),
+        source_worker_id=f.get("src", ""),
+        destination_worker_id=f.get("dst", ""),
+        state=SessionState(f["st"]),
+        expected_bytes=int(f.get("exb") or 0),
+        bytes_done=int(f.get("done") or 0),
+        created_ms=int(f.get("crt") or 0),
+        updated_ms=int(f.get("upd") or 0),
+        deadline_ms=int(f.get("dl") or 0),
+        lease_expires_ms=int(f.get("lexp") or 0),
+        lease_ttl_ms=int(f.get("ttl") or 0),
+        negotiation=_negotiation(f.get("neg") or '{"verdict":"compatible"}'),
+        reason=f.get("why", ""),
+        version=int(f.get("ver") or 0),
+        updated_by=f.get("by", ""),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """A script's status and the session as it is after the script (None if there is none)."""
+
+    status: str
+    session: Session | None = None
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class SweepResult:
+    changed: list[Session] = field(default_factory=list)
+    purged: int = 0
+    open_sessions: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class OpenArgs:
+    session_id: str
+    request_id: str
+    source_worker_id: str
+    destination_worker_id: str
+    expected_bytes: int
+    deadline_ms: int
+    lease_ttl_ms: int
+    negotiation_json: str
+
+    @property
+    def fingerprint(self) -> str:
+        """What a retry must repeat to be the same request (deadline and lease may differ)."""
+        return f"{self.source_worker_id}|{self.destination_worker_id}|{self.expected_bytes}"
+
+
+def _unavailable(exc: Exception) -> Unavailable:
+    return Unavailable(f"state store unavailable: {exc}")
+
+
+class SessionStore:
+    """Sessions in Redis. Raises `Unavailable` when Redis cannot be reached."""
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        keys: KvKeys,
+        registry_keys: RegistryKeys,
+        retention_ms: int,
+        feed_max_len: int = 100_000,
+    ) -> None:
+        self.client = client
+        self.keys = keys
+        self.registry_keys = registry_keys
+        self.retention_ms = retention_ms
+        self.feed_max_len = feed_max_len
+        self._open = client.register_script(self._render(_OPEN))
+        self._transition = client.register_script(self._render(_TRANSITION))
+        self._sweep = client.register_script(self._render(_SWEEP))
+        self._fail_worker = client.register_script(self._render(_FAIL_WORKER))
+        self._by_request = client.register_script(_BY_REQUEST)
+
+    def _render(self, script: str) -> str:
+        """The script with this store's constants in place of the @NAME@ markers."""
+        values = {
+            "@SP@": self.keys.session_prefix,
+            "@RP@": self.keys.request_prefix,
+            "@OP@": self.keys.open_prefix,
+            "@RW@": self.registry_keys.worker_prefix,
+            "@RETAIN@": str(int(self.retention_ms)),
+            "@FEEDMAX@": str(int(self.feed_max_len)),
+        }
+        for marker, value in values.items():
+            if not _SAFE.match(value):
+                raise ValueError(f"unsafe value {value!r} for a Lua script constant")
+            script = script.replace(marker, value)
+        return script
+
+    @property
+    def _keys(self) -> list[str]:
+        k = self.keys
+        return [k.ids, k.due, k.done, k.busy, k.feed]
+
+    async def _call(self, script: Any, now_ms: int, *rest: Any) -> Any:
+        try:
+            return await script(keys=self._keys, args=[now_ms, *rest])
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            raise _unavailable(exc) from exc
+
+    @staticmethod
+    def _result(raw: Sequence[Any]) -> Result:
+        status = _s(raw[0])
+        if len(raw) < 2:
+            return Result(status)
+        if isinstance(raw[1], list):
+            return Result(status, decode_flat(raw[1]) if raw[1] else None)
+        return Result(status, detail=_s(raw[1]))
+
+    async def open(self, a: OpenArgs, actor: str, cred_hash: str, now_ms: int) -> Result:
+        """created | same (the request id's session) | conflict | gone (detail: worker id) |
+        denied | not_party."""
+        raw = await self._call(
+            self._open,
+            now_ms,
+            a.session_id,
+            a.request_id,
+            a.source_worker_id,
+            a.destination_worker_id,
+            actor,
+            cred_hash,
+            a.expected_bytes,
+            now_ms + a.deadline_ms,
+            a.lease_ttl_ms,
+            a.negotiation_json,
+            a.fingerprint,
+        )
+        return self._result(raw)
+
+    async def transition(
+        self,
+        session_id: str,
+        op: str,
+        actor: str,
+        cred_hash: str,
+        now_ms: int,
+        bytes_done: int | None = None,
+        reason: str = "",
+    ) -> Result:
+        """applied | unchanged | illegal | backwards | overflow | expired_first | missing |
+        denied | not_party."""
+        raw = await self._call(
+            self._transition,
+            now_ms,
+            session_id,
+            op,
+            actor,
+            cred_hash,
+            "" if bytes_done is None else bytes_done,
+            reason,
+        )
+        return self._result(raw)
+
+    async def sweep(self, now_ms: int, limit: int = 1000) -> SweepResult:
+        changed, purged, open_count = await self._call(self._sweep, now_ms, limit)
+        return SweepResult([decode_flat(x) for x in changed], int(purged), int(open_count))
+
+    async def fail_worker(self, worker_id: str, reason: str, now_ms: int) -> list[Session]:
+        raw = await self._call(self._fail_worker, now_ms, worker_id, reason)
+        return [decode_flat(x) for x in raw]
+
+    async def get(self, session_id: str) -> Session | None:
+        try:
+            fields = await self.client.hgetall(self.keys.session(session_id))
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            raise _unavailable(exc) from exc
+        return decode_session(fields) if fields else None
+
+    async def get_by_request(self, request_id: str) -> Session | None:
+        try:
+            flat = await self._by_request(
+                keys=[self.keys.ids],
+                args=[self.keys.request_prefix, request_id, self.keys.session_prefix],
+            )
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            raise _unavailable(exc) from exc
+        return decode_flat(flat) if flat else None
+
+    async def page(self, after: str, count: int) -> list[Session]:
+        """Up to `count` kept sessions with ids strictly after `after`, in id order (a
+        session purged between the two reads is skipped)."""
+        start = b"(" + after.encode() if after else b"-"
+        try:
+            ids = await self.client.zrangebylex(self.keys.ids, start, b"+", start=0, num=count)
+            if not ids:
+                return []
+            async with self.client.pipeline(transaction=False) as pipe:
+                for sid in ids:
+                    pipe.hgetall(self.keys.session(_s(sid)))
+                rows = await pipe.execute()
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            raise _unavailable(exc) from exc
+        return [decode_session(r) for r in rows if r]
+
+    async def has_more(self, after: str) -> bool:
+        try:
+            ids = await self.client.zrangebylex(
+                self.keys.ids, b"(" + after.encode(), b"+", start=0, num=1
+            )
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            raise _unavailable(exc) from exc
+        return bool(ids)
+
+    async def feed_last_id(self) -> str:
+        try:
+            rows = await self.client.xrevrange(self.keys.feed, "+", "-", count=1)
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            raise _unavailable(exc) from exc
+        return _s(rows[0][0]) if rows else "0-0"
+
+    async def feed_block(
+        self, client: aioredis.Redis, after_id: str, block_ms: int, count: int = 1000
+    ) -> list[tuple[str, str, Mapping[bytes, bytes]]]:
+        """Feed entries after `after_id` as (entry id, session id, raw fields), blocking up to
+        block_ms on a dedicated client. Decoding is left to the caller: most entries concern
+        sessions nobody on this replica watches."""
+        try:
+            res = await client.xread({self.keys.feed: after_id}, count=count, block=block_ms)
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            raise _unavailable(exc) from exc
+        if not res:
+            return []
+        _, rows = res[0]
+        return [(_s(eid), _s(fields.get(b"sid")), fields) for eid, fields in rows]

@@ -1,0 +1,67 @@
+"""`hpd scheduler`: run the scheduler service alone."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+from collections.abc import Sequence
+
+import redis.asyncio as aioredis
+
+from hpd_common import redis_conn
+from hpd_common.clock import Clock, SystemClock
+from hpd_common.errors import InvalidArgument
+from hpd_common.logging import configure_logging
+from hpd_common.metrics import serve_metrics
+from hpd_common.server import GrpcServer, run_until_signal
+from hpd_common.settings import add_arguments, load_settings
+from hpd_scheduler.api import SchedulerComponent
+from hpd_scheduler.broker import GrpcKvBroker, KvSessionOpener
+from hpd_scheduler.service import SchedulerService, SchedulerSettings
+
+
+def build_server(
+    settings: SchedulerSettings,
+    client: aioredis.Redis | None = None,
+    clock: Clock | None = None,
+    rng: random.Random | None = None,
+    opener: KvSessionOpener | None = None,
+) -> GrpcServer:
+    """A scheduler server on settings.port over `client` (or a new client for redis_url).
+    With `broker_target` set and no `opener` given, sessions are opened at that broker."""
+    if client is None:
+        if not settings.redis_url:
+            raise InvalidArgument("redis_url", "is required (or run `hpd up` for an embedded one)")
+        client = redis_conn.connect(settings.redis_url)
+    if opener is None and settings.broker_target:
+        opener = GrpcKvBroker(
+            settings.broker_target,
+            settings.broker_token,
+            timeout_s=settings.broker_timeout_ms / 1000,
+        )
+    service = SchedulerService(settings, client, clock or SystemClock(), rng, opener)
+    return GrpcServer("scheduler", settings, SchedulerComponent(service), client)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="hpd scheduler",
+        description="Run the scheduler: request placement over a live fleet view, shared "
+        "reservations, route records, closed-loop estimates, directives.",
+    )
+    add_arguments(p, SchedulerSettings)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    settings = load_settings(SchedulerSettings, args)
+    configure_logging(settings.log_level, settings.json_logs)
+    serve_metrics(settings.metrics_port, settings.host)
+    asyncio.run(run_until_signal([build_server(settings)]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

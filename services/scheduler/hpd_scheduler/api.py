@@ -1,0 +1,100 @@
+"""SchedulerService servicer: validate, convert, call the use case, convert back."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+from hetero_pd.v1 import scheduler_pb2 as s
+from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
+from hpd_common import rpc
+from hpd_common.errors import InvalidArgument
+from hpd_scheduler import convert as cv
+from hpd_scheduler.service import SchedulerService
+
+SERVICE_NAME = s.DESCRIPTOR.services_by_name["SchedulerService"].full_name
+
+
+class SchedulerApi(s_grpc.SchedulerServiceServicer):
+    def __init__(self, service: SchedulerService) -> None:
+        self.svc = service
+
+    @rpc.unary
+    async def Schedule(self, request: s.ScheduleRequest, context: Any) -> s.ScheduleResponse:
+        out = await self.svc.schedule(cv.request_from_pb(request))
+        return s.ScheduleResponse(plan=cv.plan_to_pb(out.head), replayed=out.replayed)
+
+    @rpc.unary
+    async def ReportOutcome(
+        self, request: s.ReportOutcomeRequest, context: Any
+    ) -> s.ReportOutcomeResponse:
+        released, first = await self.svc.report_outcome(
+            request.request_id, cv.outcome_from_pb(request)
+        )
+        return s.ReportOutcomeResponse(released=released, first_report=first)
+
+    @rpc.unary
+    async def GetRouteRecord(
+        self, request: s.GetRouteRecordRequest, context: Any
+    ) -> s.GetRouteRecordResponse:
+        cv.check_id("request_id", request.request_id)
+        rec = await self.svc.get_record(request.request_id)
+        return s.GetRouteRecordResponse(record=cv.record_to_pb(rec))
+
+    @rpc.unary
+    async def ListRouteRecords(
+        self, request: s.ListRouteRecordsRequest, context: Any
+    ) -> s.ListRouteRecordsResponse:
+        query, size = cv.query_from_pb(request)
+        records, token = await self.svc.list_records(query, size, request.page_token)
+        return s.ListRouteRecordsResponse(
+            records=[cv.record_to_pb(x) for x in records], next_page_token=token
+        )
+
+    @rpc.unary
+    async def GetPolicy(self, request: s.GetPolicyRequest, context: Any) -> s.GetPolicyResponse:
+        return s.GetPolicyResponse(policy=cv.policy_to_pb(self.svc.policy))
+
+    @rpc.unary
+    async def ReloadPolicy(
+        self, request: s.ReloadPolicyRequest, context: Any
+    ) -> s.ReloadPolicyResponse:
+        which = request.WhichOneof("source")
+        if which is None:
+            raise InvalidArgument("source", "give builtin_profile or profile_yaml")
+        if len(request.profile_yaml) > 1_000_000:
+            raise InvalidArgument("profile_yaml", "at most 1,000,000 characters")
+        state = self.svc.reload_policy(
+            request.builtin_profile, request.profile_yaml, request.dry_run
+        )
+        return s.ReloadPolicyResponse(policy=cv.policy_to_pb(state), applied=not request.dry_run)
+
+    @rpc.unary
+    async def GetRecommendations(
+        self, request: s.GetRecommendationsRequest, context: Any
+    ) -> s.GetRecommendationsResponse:
+        if len(request.model_id) > 128:
+            raise InvalidArgument("model_id", "at most 128 characters")
+        return cv.recommendations_to_pb(self.svc.recommendations(request.model_id))
+
+
+class SchedulerComponent:
+    """The scheduler as the server bootstrap sees it."""
+
+    service_names = (SERVICE_NAME,)
+
+    def __init__(self, service: SchedulerService) -> None:
+        self.service = service
+
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        s_grpc.add_SchedulerServiceServicer_to_server(SchedulerApi(self.service), server)
+
+    async def start(self) -> None:
+        await self.service.start()
+
+    async def stop(self) -> None:
+        await self.service.stop()
+
+    def ready(self) -> bool:
+        return self.service.ready()

@@ -1,0 +1,145 @@
+"""Opening KV transfer sessions at the KV broker for plans that transfer KV.
+
+The scheduler only needs two things from the broker: open a session for a planned
+transfer (idempotent per request id at the broker, so a replayed Schedule gets the same
+session) and abort one it no longer needs. `KvSessionOpener` is that seam; `NoKvBroker`
+is the default when no broker is configured (plans carry no session id).
+
+Any failure to open is a `SessionRefused` with a reason code, never an error of
+Schedule: the plan becomes recompute on the decode worker and says why
+(`broker_unreachable` when the broker did not answer, `broker_incompatible` when it
+judged the pair's KV formats incompatible, `broker_<code>` otherwise).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Protocol
+
+import grpc
+
+from hetero_pd.v1 import kvbroker_pb2 as kb
+from hetero_pd.v1 import kvbroker_pb2_grpc as kb_grpc
+from hpd_common.logging import get_logger
+
+log = get_logger("scheduler.broker")
+
+__all__ = ["GrpcKvBroker", "KvSessionOpener", "NoKvBroker", "SessionRefused"]
+
+
+class SessionRefused(Exception):
+    """The broker did not open the session; ``reason`` is a stable code for the record."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class KvSessionOpener(Protocol):
+    """Opens and aborts KV transfer sessions."""
+
+    @property
+    def enabled(self) -> bool: ...
+
+    async def open(
+        self, request_id: str, source_worker_id: str, destination_worker_id: str, kv_bytes: int
+    ) -> str:
+        """The session id; raises :class:`SessionRefused`."""
+        ...
+
+    async def abort(self, session_id: str, reason: str) -> None:
+        """Best effort: a session left open expires at the broker by its lease."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class NoKvBroker:
+    """No broker configured: transfers are planned without a session."""
+
+    enabled = False
+
+    async def open(
+        self, request_id: str, source_worker_id: str, destination_worker_id: str, kv_bytes: int
+    ) -> str:
+        return ""
+
+    async def abort(self, session_id: str, reason: str) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+_UNREACHABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.UNKNOWN,
+}
+
+
+class GrpcKvBroker:
+    """The KV broker over gRPC, presenting the scheduler token it was configured with."""
+
+    enabled = True
+
+    def __init__(
+        self,
+        target: str,
+        scheduler_token: str = "",
+        timeout_s: float = 0.25,
+        deadline_ms: int = 0,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
+        self.target = target
+        self._token = scheduler_token
+        self._timeout_s = timeout_s
+        self._deadline_ms = deadline_ms
+        self._channel = (
+            grpc.aio.secure_channel(target, credentials)
+            if credentials
+            else grpc.aio.insecure_channel(target)
+        )
+        self._stub = kb_grpc.KvBrokerServiceStub(self._channel)
+
+    async def open(
+        self, request_id: str, source_worker_id: str, destination_worker_id: str, kv_bytes: int
+    ) -> str:
+        req = kb.OpenSessionRequest(
+            request_id=request_id,
+            source_worker_id=source_worker_id,
+            destination_worker_id=destination_worker_id,
+            expected_bytes=max(1, kv_bytes),
+            deadline_ms=self._deadline_ms,
+            caller=kb.SessionCaller(scheduler_token=self._token),
+        )
+        try:
+            resp = await self._stub.OpenSession(req, timeout=self._timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            if code in _UNREACHABLE:
+                reason = "broker_unreachable"
+            elif code is grpc.StatusCode.FAILED_PRECONDITION:
+                reason = "broker_incompatible"
+            else:
+                reason = f"broker_{code.name.lower()}"
+            log.warning("kv_session_refused", target=self.target, code=code.name, reason=reason)
+            raise SessionRefused(reason) from exc
+        return str(resp.session.session_id)
+
+    async def abort(self, session_id: str, reason: str) -> None:
+        if not session_id:
+            return
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await self._stub.AbortSession(
+                kb.AbortSessionRequest(
+                    session_id=session_id,
+                    caller=kb.SessionCaller(scheduler_token=self._token),
+                    reason=reason[:256],
+                ),
+                timeout=self._timeout_s,
+            )
+
+    async def close(self) -> None:
+        await self._channel.close()

@@ -1,0 +1,924 @@
+"""Scheduler use cases: async, owns the store, the clock, the RNG and the background loops.
+
+The hot path of `schedule` reads no network: the fleet snapshot (`policy.Fleet`) is
+rebuilt from the informer's in-memory view by a background loop, at most once per
+`fleet_rebuild_interval_ms` however many changes arrive (changes coalesce), and at least
+every `fleet_refresh_ms` (load-report confidence ages with time). A request then costs
+the planner (microseconds, bounded by top-k, not by fleet size) plus ONE Redis round
+trip: the script that checks and takes the reservation, writes the record head and the
+idempotency key together (`store.py`).
+
+Reservations as the planner sees them: a local mirror of the Redis totals per worker.
+It is exact for this replica's own reservations (each script returns the worker's new
+totals) and refreshed from Redis every `reservation_sync_interval_ms` for the other
+replicas'. The mirror only steers scoring (so a burst spreads instead of piling onto
+one worker between heartbeats); the Redis check is what guarantees no over-commit.
+
+Redis away: `schedule` answers UNAVAILABLE. A plan without a written reservation could
+over-commit a decode worker (another replica cannot see it), and a plan without its
+record could not be replayed on retry, so we do not hand one out; read-only RPCs served
+from memory (policy, recommendations) keep working, and the health check reports
+NOT_SERVING until Redis is back. Registry away: decisions continue from the last view
+while it is younger than `staleness_bound_ms` (bookmarks keep an idle view fresh), then
+`schedule` answers UNAVAILABLE and health is NOT_SERVING until the informer reconnects.
+
+Reservations are deliberately conservative: a running request's KV shows in its worker's
+load report and stays reserved until its outcome is reported (or the TTL lapses), so the
+same bytes can count twice for a while. That errs towards refusing, never over-commit.
+
+Background loops: fleet rebuild, reservation sync + purge of lapsed reservations,
+explanation writer (route record explanations, batched, off the hot path), directives
+(imbalance and batch-size recommendations sent through the registry's SendDirective,
+only on change and rate-limited).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import socket
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import grpc
+import redis.asyncio as aioredis
+import yaml
+
+from hetero_pd.v1 import common_pb2 as c
+from hetero_pd.v1 import registry_pb2 as r
+from hetero_pd.v1 import registry_pb2_grpc as r_grpc
+from hpd_common.clock import Clock
+from hpd_common.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
+from hpd_common.informer import FleetChange, FleetInformer
+from hpd_common.logging import get_logger
+from hpd_common.server import ServerSettings
+from hpd_registry.domain import WorkerRecord
+from hpd_scheduler import metrics
+from hpd_scheduler.broker import KvSessionOpener, NoKvBroker, SessionRefused
+from hpd_scheduler.feedback import ObservedEstimates, observation_from
+from hpd_scheduler.keys import SchedulerKeys
+from hpd_scheduler.policy import (
+    BatchRecommendation,
+    ConfigError,
+    Decision,
+    Fleet,
+    InvalidInputError,
+    LinkModel,
+    Mode,
+    Planner,
+    Profile,
+    RebalancePlan,
+    RejectClass,
+    Request,
+    Role,
+    WorkerView,
+    adapt_batch_size,
+    builtin_profile_names,
+    parse_profile,
+    rebalance_plan,
+)
+from hpd_scheduler.policy.fleet import WorkerState
+from hpd_scheduler.records import as_recompute, head_of
+from hpd_scheduler.store import (
+    ReservationAsk,
+    ReserveStatus,
+    SchedulerStore,
+    StoredRecord,
+    Totals,
+    dumps,
+)
+from hpd_scheduler.views import link_model, view_of
+
+log = get_logger("scheduler")
+
+_ZERO = Totals()
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerSettings(ServerSettings):
+    port: int = field(default=50052, metadata={"help": "gRPC port of the scheduler"})
+    key_prefix: str = field(
+        default="hpd", metadata={"help": "prefix of the scheduler's Redis keys"}
+    )
+    registry_target: str = field(
+        default="127.0.0.1:50051", metadata={"help": "registry host:port (fleet feed, directives)"}
+    )
+    broker_target: str = field(
+        default="",
+        metadata={"help": "KV broker host:port; empty = plan transfers without sessions"},
+    )
+    broker_token: str = field(
+        default="", metadata={"help": "scheduler token the KV broker expects (if it has one)"}
+    )
+    broker_timeout_ms: int = field(
+        default=250, metadata={"help": "OpenSession deadline; past it the plan recomputes"}
+    )
+    profile: str = field(
+        default="default", metadata={"help": "built-in profile name or path of a profile YAML"}
+    )
+    tiers_file: str = field(
+        default="", metadata={"help": "YAML of serving tiers replacing the profile's `tiers`"}
+    )
+    staleness_bound_ms: int = field(
+        default=5_000, metadata={"help": "older fleet view: NOT_SERVING and Schedule UNAVAILABLE"}
+    )
+    reservation_ttl_ms: int = field(
+        default=120_000, metadata={"help": "a reservation lapses unless released before"}
+    )
+    record_ttl_ms: int = field(
+        default=3_600_000, metadata={"help": "route records (and idempotency) are kept this long"}
+    )
+    record_index_cap: int = field(
+        default=100_000, metadata={"help": "most route records listed by ListRouteRecords"}
+    )
+    fleet_rebuild_interval_ms: int = field(
+        default=20, metadata={"help": "fleet changes coalesce into one rebuild per interval"}
+    )
+    fleet_refresh_ms: int = field(
+        default=1_000, metadata={"help": "rebuild at least this often (report confidence ages)"}
+    )
+    reservation_sync_interval_ms: int = field(
+        default=250, metadata={"help": "how often other replicas' reservations are read"}
+    )
+    max_plan_attempts: int = field(
+        default=4, metadata={"help": "re-plans when the chosen worker was fully reserved"}
+    )
+    ewma_alpha: float = field(
+        default=0.2, metadata={"help": "weight of a new outcome in the decaying averages"}
+    )
+    directive_interval_ms: int = field(
+        default=10_000, metadata={"help": "how often recommendations become directives (0 = off)"}
+    )
+    directive_repeat_ms: int = field(
+        default=300_000, metadata={"help": "an unchanged directive is not resent within this"}
+    )
+    directive_max_per_cycle: int = field(
+        default=32, metadata={"help": "most directives sent per cycle"}
+    )
+    informer_max_backoff_ms: int = field(
+        default=2_000, metadata={"help": "longest wait between registry reconnects"}
+    )
+    scheduler_id: str = field(default="", metadata={"help": "replica name in route records"})
+    seed: int = field(default=0, metadata={"help": "seed of the planner's tie-breaking RNG"})
+
+    def validate(self) -> None:
+        """Refuse inconsistent settings at start-up, naming the setting."""
+        positive = (
+            "staleness_bound_ms",
+            "reservation_ttl_ms",
+            "record_ttl_ms",
+            "record_index_cap",
+            "fleet_refresh_ms",
+            "reservation_sync_interval_ms",
+            "max_plan_attempts",
+            "broker_timeout_ms",
+        )
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise InvalidArgument(name, "must be > 0")
+        if self.fleet_rebuild_interval_ms < 0 or self.directive_interval_ms < 0:
+            raise InvalidArgument("fleet_rebuild_interval_ms", "must be >= 0")
+        if self.record_ttl_ms < self.reservation_ttl_ms:
+            raise InvalidArgument(
+                "record_ttl_ms", "must be >= reservation_ttl_ms (the record is the idempotency key)"
+            )
+        if not 0 < self.ewma_alpha <= 1:
+            raise InvalidArgument("ewma_alpha", "must be in (0, 1]")
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyState:
+    """The profile in force, its planner and where it came from."""
+
+    profile: Profile
+    planner: Planner
+    source_yaml: str
+    generation: int
+    loaded_at_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleResult:
+    head: dict[str, Any]
+    replayed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class RecordQuery:
+    """Filters of ListRouteRecords; empty / zero / None = any."""
+
+    since_ms: int = 0
+    until_ms: int = 0
+    tier: str = ""
+    worker_id: str = ""
+    decision: str = ""
+    mode: str = ""
+    model_id: str = ""
+
+    def matches(self, head: dict[str, Any]) -> bool:
+        if self.tier and head.get("tier") != self.tier:
+            return False
+        if self.decision and head.get("decision") != self.decision:
+            return False
+        if self.model_id and head.get("model_id") != self.model_id:
+            return False
+        plan = head.get("plan") or {}
+        if self.mode and plan.get("mode") != self.mode:
+            return False
+        return not (
+            self.worker_id
+            and self.worker_id not in (plan.get("prefill_worker_id"), plan.get("decode_worker_id"))
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRecommendation:
+    model_id: str
+    rebalance: RebalancePlan
+    batch: tuple[tuple[str, int, BatchRecommendation, float, float], ...]
+    """(worker id, current max, recommendation, ITL p99 compared, target ITL)."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerFigures:
+    worker_id: str
+    prefill_tokens_per_s: float
+    itl_ms: float
+    samples: int
+    reserved: Totals
+    load: float
+
+
+@dataclass(frozen=True, slots=True)
+class Recommendations:
+    models: tuple[ModelRecommendation, ...]
+    workers: tuple[WorkerFigures, ...]
+    links: tuple[tuple[str, str, float, int], ...]
+    computed_at_ms: int
+
+
+def profile_document(ref: str) -> str:
+    """The YAML text of a built-in profile name or a profile file path."""
+    if ref in builtin_profile_names():
+        res = resources.files("hpd_scheduler.policy") / "profiles" / f"{ref}.yaml"
+        return res.read_text(encoding="utf-8")
+    try:
+        return Path(ref).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(
+            "profile", f"no built-in profile or readable file {ref!r}: {exc.strerror}"
+        ) from None
+
+
+def parse_policy(text: str, tiers_text: str = "") -> tuple[Profile, str]:
+    """Validate a profile document (with optional tiers replacing its own). Raises
+    ConfigError naming the offending key."""
+    try:
+        doc = yaml.safe_load(text)
+        if tiers_text:
+            tiers = yaml.safe_load(tiers_text)
+            if not isinstance(tiers, dict):
+                raise ConfigError("tiers", "the tiers file must hold a mapping")
+            if not isinstance(doc, dict):
+                raise ConfigError("profile", "must be a mapping")
+            doc["tiers"] = tiers.get("tiers", tiers)
+            text = yaml.safe_dump(doc, sort_keys=False)
+    except yaml.YAMLError as exc:
+        raise ConfigError("profile", f"invalid YAML: {exc}") from None
+    try:
+        return parse_profile(doc), text
+    except InvalidInputError as exc:
+        raise ConfigError(exc.field, exc.message) from None
+    except (TypeError, ValueError, AttributeError, KeyError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError("profile", f"malformed document: {exc}") from None
+
+
+def worker_load(ws: WorkerState) -> float:
+    """Capacity-normalised load of a decode worker in [0, 1]: the fullest of its KV memory
+    (reservations included), its queue against its declared bound, and its batch against
+    its cap."""
+    v = ws.view
+    load = ws.kv_used_fraction()
+    rep = v.load
+    if rep is not None:
+        if rep.max_queue_depth > 0:
+            load = max(load, min(1.0, ws.queue_depth() / rep.max_queue_depth))
+        load = max(load, min(1.0, rep.batch_size / max(1, v.max_batch_size)))
+    return load
+
+
+class SchedulerService:
+    """The scheduler's use cases; the gRPC servicer is a thin layer over this."""
+
+    def __init__(
+        self,
+        settings: SchedulerSettings,
+        client: aioredis.Redis,
+        clock: Clock,
+        rng: random.Random | None = None,
+        opener: KvSessionOpener | None = None,
+        informer: FleetInformer | None = None,
+    ) -> None:
+        settings.validate()
+        self.settings = settings
+        self.client = client
+        self.clock = clock
+        self.rng = rng or random.Random(settings.seed)
+        self.opener: KvSessionOpener = opener or NoKvBroker()
+        self.store = SchedulerStore(client, SchedulerKeys(settings.key_prefix))
+        self.scheduler_id = settings.scheduler_id or f"{socket.gethostname()}:{os.getpid()}"
+        self.informer = informer or FleetInformer(
+            settings.registry_target,
+            clock=clock,
+            max_backoff_s=settings.informer_max_backoff_ms / 1000,
+        )
+        self.informer.on_change = self._on_change
+        tiers_text = ""
+        if settings.tiers_file:
+            try:
+                tiers_text = Path(settings.tiers_file).read_text(encoding="utf-8")
+            except OSError as exc:
+                raise InvalidArgument("tiers_file", f"cannot read: {exc.strerror}") from None
+        try:
+            profile, text = parse_policy(profile_document(settings.profile), tiers_text)
+        except ConfigError as exc:
+            raise InvalidArgument(f"profile.{exc.key_path}", exc.message) from None
+        self._policy = PolicyState(profile, Planner(profile), text, 1, clock.now_ms())
+        self.observed = ObservedEstimates(settings.ewma_alpha)
+        self._views: dict[str, tuple[int, int, WorkerView]] = {}
+        self._links: tuple[int, LinkModel] = (-1, LinkModel())
+        self._fleet: Fleet | None = None
+        self._changed = asyncio.Event()
+        self._totals: dict[str, Totals] = {}
+        self._batch_caps: dict[str, int] = {}
+        self._explain_q: list[tuple[str, Decision]] = []
+        self._explain_wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._registry_channel: grpc.aio.Channel | None = None
+        self._bg: set[asyncio.Future[None]] = set()
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.informer.start()
+        self._tasks = [
+            asyncio.create_task(self._rebuild_loop(), name="scheduler-fleet"),
+            asyncio.create_task(self._sync_loop(), name="scheduler-reservations"),
+            asyncio.create_task(self._explain_loop(), name="scheduler-explanations"),
+        ]
+        if self.settings.directive_interval_ms > 0:
+            self._tasks.append(
+                asyncio.create_task(self._directive_loop(), name="scheduler-directives")
+            )
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        with contextlib.suppress(Exception):
+            await self._flush_explanations()
+        await self.informer.stop()
+        await self.opener.close()
+        if self._registry_channel is not None:
+            await self._registry_channel.close()
+
+    def view_age_s(self) -> float:
+        return self.informer.age_s()
+
+    def ready(self) -> bool:
+        """Serving only while the fleet view is within the staleness bound."""
+        age = self.informer.age_s()
+        metrics.VIEW_AGE_SECONDS.set(min(age, 1e9))
+        return age * 1000 <= self.settings.staleness_bound_ms
+
+    # -- fleet snapshot ---------------------------------------------------------------------
+
+    def _on_change(self, change: FleetChange) -> None:
+        self._changed.set()
+
+    def rebuild(self) -> Fleet:
+        """A new snapshot from the informer's view (views cached per record revision and
+        estimate version, so only changed workers are converted), with the reservation
+        mirror applied."""
+        start = time.perf_counter()
+        obs = self.observed
+        cache = self._views
+        fresh: dict[str, tuple[int, int, WorkerView]] = {}
+        views: list[WorkerView] = []
+        workers: dict[str, WorkerRecord] = self.informer.workers
+        for wid, rec in workers.items():
+            ver = obs.version.get(wid, 0)
+            hit = cache.get(wid)
+            if hit is not None and hit[0] == rec.revision and hit[1] == ver:
+                entry = hit
+            else:
+                entry = (rec.revision, ver, view_of(rec, obs))
+            fresh[wid] = entry
+            views.append(entry[2])
+        self._views = fresh
+        if self._links[0] != obs.links_version:
+            self._links = (obs.links_version, link_model(obs.link_gbps))
+        fleet = Fleet.build(views, self.clock.now_ms() / 1000.0, links=self._links[1])
+        for wid, t in self._totals.items():
+            fleet.reserve(wid, t.kv_bytes, t.prefill_tokens, t.requests)
+        self._fleet = fleet
+        metrics.FLEET_REBUILD_SECONDS.observe(time.perf_counter() - start)
+        metrics.FLEET_WORKERS.set(len(views))
+        return fleet
+
+    def fleet(self) -> Fleet:
+        """The current snapshot (built now if there is none yet)."""
+        return self._fleet if self._fleet is not None else self.rebuild()
+
+    async def _rebuild_loop(self) -> None:
+        s = self.settings
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), s.fleet_refresh_ms / 1000)
+            self._changed.clear()
+            if self.informer.synced:
+                try:
+                    self.rebuild()
+                except Exception:  # a bad record must not stop the loop; old snapshot stays
+                    log.exception("fleet_rebuild_failed")
+            await asyncio.sleep(s.fleet_rebuild_interval_ms / 1000)
+
+    # -- reservation mirror -----------------------------------------------------------------
+
+    def _set_totals(self, worker_id: str, new: Totals) -> None:
+        old = self._totals.get(worker_id, _ZERO)
+        if new == old:
+            return
+        if new == _ZERO:
+            self._totals.pop(worker_id, None)
+        else:
+            self._totals[worker_id] = new
+        fleet = self._fleet
+        if fleet is None:
+            return
+        dk = new.kv_bytes - old.kv_bytes
+        dn = new.requests - old.requests
+        dt = new.prefill_tokens - old.prefill_tokens
+        fleet.reserve(worker_id, max(dk, 0), max(dt, 0), max(dn, 0))
+        fleet.release(worker_id, max(-dk, 0), max(-dt, 0), max(-dn, 0))
+
+    def reserved(self, worker_id: str) -> Totals:
+        """Live reservations against a worker as this replica last saw them."""
+        return self._totals.get(worker_id, _ZERO)
+
+    async def sync_reservations(self) -> None:
+        """Purge lapsed reservations, then mirror every replica's totals."""
+        await self.store.purge(self.clock.now_ms())
+        totals = await self.store.totals()
+        for wid in set(self._totals) | set(totals):
+            self._set_totals(wid, totals.get(wid, _ZERO))
+
+    async def _sync_loop(self) -> None:
+        while True:
+            try:
+                await self.sync_reservations()
+            except Unavailable as exc:
+                log.debug("reservation_sync_failed", error=str(exc))
+            await asyncio.sleep(self.settings.reservation_sync_interval_ms / 1000)
+
+    # -- Schedule ---------------------------------------------------------------------------
+
+    def _check_fresh(self) -> None:
+        age = self.informer.age_s()
+        if age * 1000 > self.settings.staleness_bound_ms:
+            what = "no fleet view yet" if age == float("inf") else f"fleet view is {age:.1f}s old"
+            raise Unavailable(
+                f"{what} (staleness bound {self.settings.staleness_bound_ms} ms); "
+                "the registry is unreachable"
+            )
+
+    @staticmethod
+    def _capacity(ws: WorkerState | None) -> tuple[int, int]:
+        """(KV bytes, queue slots) the decode worker can take, as this replica knows it:
+        its reported free KV memory and free queue slots (-1 = no declared bound)."""
+        if ws is None:
+            return 0, 0
+        v = ws.view
+        slots = -1
+        if v.load is not None and v.load.max_queue_depth > 0:
+            slots = max(0, v.load.max_queue_depth - v.load.queue_depth)
+        return v.kv_available_bytes, slots
+
+    def _refusal(self, decision: Decision, tier_budget_ms: float) -> Exception:
+        reasons = ", ".join(decision.reject_reasons) or "no_executable_pool"
+        cls = decision.reject_class or RejectClass.SATURATED
+        metrics.REJECTIONS.labels(reject_class=cls).inc()
+        if cls == RejectClass.NO_CAPABLE_WORKER:
+            pools = decision.record.rejected_pools
+            detail = "; ".join(f"{k}: {','.join(v)}" for k, v in sorted(pools.items()))
+            return FailedPrecondition(
+                f"no worker can serve this request ({reasons})"
+                + (f" [{detail}]" if detail else ""),
+                {k: list(v) for k, v in pools.items()},
+            )
+        retry = decision.retry_after_ms if decision.retry_after_ms is not None else tier_budget_ms
+        return ResourceExhausted(f"{cls}: {reasons}", retry_after_ms=max(1, int(retry)))
+
+    async def schedule(self, req: Request) -> ScheduleResult:
+        """Plan, reserve and record one request (module docstring)."""
+        self._check_fresh()
+        s = self.settings
+        pol = self._policy
+        try:
+            req.validate()
+            tier = pol.profile.tier(req.tier)
+        except InvalidInputError as exc:
+            raise InvalidArgument(exc.field, exc.message) from None
+        fleet = self.fleet()
+        for _ in range(s.max_plan_attempts):
+            now_ms = self.clock.now_ms()
+            try:
+                decision = pol.planner.plan(req, fleet, now_ms / 1000.0, self.rng)
+            except InvalidInputError as exc:
+                raise InvalidArgument(exc.field, exc.message) from None
+            plan, chain = decision.plan, decision.fallbacks
+            if plan is None:
+                head = head_of(decision, req, tier.name, now_ms, self.scheduler_id)
+                try:
+                    res = await self.store.reserve_and_record(
+                        req.request_id, head, "reject", None, now_ms,
+                        s.reservation_ttl_ms, s.record_ttl_ms, s.record_index_cap,
+                    )  # fmt: skip
+                except Unavailable:
+                    log.warning("reject_record_lost", request_id=req.request_id)
+                else:
+                    if res.status is ReserveStatus.REPLAY and res.head is not None:
+                        metrics.REPLAYS.inc()
+                        return ScheduleResult(res.head, True)
+                self._queue_explanation(req.request_id, decision)
+                raise self._refusal(decision, tier.queue_budget_ms)
+            session, mode_reason = "", ""
+            if plan.mode is Mode.TRANSFER and self.opener.enabled:
+                try:
+                    session = await self.opener.open(
+                        req.request_id,
+                        plan.prefill_worker_id,
+                        plan.decode_worker_id,
+                        plan.estimates.kv_bytes,
+                    )
+                except SessionRefused as exc:
+                    plan, chain = as_recompute(plan, chain)
+                    mode_reason = exc.reason
+                    metrics.BROKER_FALLBACKS.labels(reason=exc.reason).inc()
+            kv_cap, slot_cap = self._capacity(fleet.worker(plan.decode_worker_id))
+            ask = ReservationAsk(
+                plan.decode_worker_id,
+                plan.decode_kv_bytes,
+                kv_cap,
+                slot_cap,
+                plan.prefill_worker_id,
+                plan.prefill_tokens,
+            )
+            head = head_of(
+                decision, req, tier.name, now_ms, self.scheduler_id, plan, chain,
+                session, mode_reason, now_ms + s.reservation_ttl_ms,
+            )  # fmt: skip
+            try:
+                res = await self.store.reserve_and_record(
+                    req.request_id, head, decision.kind.value, ask, now_ms,
+                    s.reservation_ttl_ms, s.record_ttl_ms, s.record_index_cap,
+                )  # fmt: skip
+            except Unavailable:
+                if session:
+                    self._background(self.opener.abort(session, "reservation_failed"))
+                raise
+            if res.status is ReserveStatus.REPLAY:
+                prior = (res.head or {}).get("plan") or {}
+                if session and prior.get("kv_session_id") != session:
+                    self._background(self.opener.abort(session, "duplicate_schedule"))
+                metrics.REPLAYS.inc()
+                return ScheduleResult(res.head or head, True)
+            self._mirror(ask, res.decode, res.prefill_tokens)
+            if res.status is ReserveStatus.FULL:
+                metrics.RESERVATION_CONFLICTS.inc()
+                if session:
+                    self._background(self.opener.abort(session, "decode_worker_full"))
+                continue
+            metrics.DECISIONS.labels(decision=decision.kind.value, mode=plan.mode.value).inc()
+            self._queue_explanation(req.request_id, decision)
+            return ScheduleResult(head, False)
+        metrics.REJECTIONS.labels(reject_class=RejectClass.SATURATED).inc()
+        raise ResourceExhausted(
+            "saturated: every capable decode worker is fully reserved",
+            retry_after_ms=max(1, int(tier.queue_budget_ms)),
+        )
+
+    def _background(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
+
+    def _mirror(self, ask: ReservationAsk, decode: Totals, prefill_tokens: int) -> None:
+        dw, pw = ask.decode_worker_id, ask.prefill_worker_id
+        if pw == dw:
+            self._set_totals(dw, Totals(decode.kv_bytes, decode.requests, prefill_tokens))
+            return
+        self._set_totals(
+            dw, Totals(decode.kv_bytes, decode.requests, self.reserved(dw).prefill_tokens)
+        )
+        if ask.prefill_tokens > 0:
+            old = self.reserved(pw)
+            self._set_totals(pw, Totals(old.kv_bytes, old.requests, prefill_tokens))
+
+    # -- route records ----------------------------------------------------------------------
+
+    def _queue_explanation(self, request_id: str, decision: Decision) -> None:
+        q = self._explain_q
+        if len(q) >= 10_000:
+            del q[:1_000]  # writer cannot keep up (Redis slow): drop the oldest explanations
+        q.append((request_id, decision))
+        self._explain_wake.set()
+
+    async def _flush_explanations(self) -> None:
+        while self._explain_q:
+            batch = self._explain_q[:256]
+            del self._explain_q[:256]
+            items: list[tuple[str, str]] = []
+            for rid, decision in batch:
+                try:
+                    items.append((rid, dumps(decision.record.to_dict(max_options=8))))
+                except (ValueError, TypeError):
+                    log.warning("explanation_not_serialisable", request_id=rid)
+            await self.store.write_explanations(items)
+
+    async def _explain_loop(self) -> None:
+        while True:
+            await self._explain_wake.wait()
+            self._explain_wake.clear()
+            try:
+                await self._flush_explanations()
+            except Unavailable as exc:
+                log.warning("explanations_dropped", error=str(exc))
+
+    async def get_record(self, request_id: str) -> StoredRecord:
+        rec = await self.store.get(request_id)
+        if rec is None:
+            raise NotFound("route record", request_id)
+        return rec
+
+    async def list_records(
+        self, query: RecordQuery, page_size: int, token: str, scan_limit: int = 5_000
+    ) -> tuple[list[StoredRecord], str]:
+        """Newest first. The token is ``<created ms>:<request id>`` of the last entry
+        looked at; members with equal scores come in descending id order, so the next
+        page resumes strictly after it. At most ``scan_limit`` index entries are examined
+        per call (a sparse filter returns a short page and a token to continue)."""
+        after: tuple[int, str] | None = None
+        if token:
+            t_ms, sep, t_rid = token.partition(":")
+            if not sep or not t_ms.isdigit() or not t_rid or len(t_ms) > 15:
+                raise InvalidArgument("page_token", "malformed")
+            after = (int(t_ms), t_rid)
+        top: int | None = query.until_ms or None
+        if after is not None:
+            top = after[0] if top is None else min(top, after[0])
+        out: list[StoredRecord] = []
+        scanned = 0
+        last: tuple[int, str] | None = None
+        skip = 0
+        while len(out) < page_size and scanned < scan_limit:
+            batch = min(256, scan_limit - scanned)
+            rows = await self.store.index_page(top, query.since_ms, batch + skip)
+            rows = rows[skip:]
+            if not rows:
+                return out, ""
+            fresh = [
+                (rid, ms)
+                for rid, ms in rows
+                if after is None or ms < after[0] or (ms == after[0] and rid < after[1])
+            ]
+            if not fresh:
+                skip += len(rows)
+                continue
+            skip = 0
+            heads = await self.store.heads([rid for rid, _ in fresh])
+            for (rid, ms), rec in zip(fresh, heads, strict=True):
+                scanned += 1
+                last = (ms, rid)
+                if rec is not None and query.matches(rec.head):
+                    out.append(rec)
+                    if len(out) >= page_size:
+                        break
+            assert last is not None
+            after = last
+            top = last[0]
+            if len(rows) < batch:
+                if len(out) < page_size:
+                    return out, ""
+                break
+        return out, (f"{last[0]}:{last[1]}" if last else "")
+
+    # -- outcomes ---------------------------------------------------------------------------
+
+    async def report_outcome(self, request_id: str, outcome: dict[str, Any]) -> tuple[bool, bool]:
+        """Release the reservation, attach the outcome, learn from it (once).
+        Returns (released, first_report)."""
+        now_ms = self.clock.now_ms()
+        outcome = {**outcome, "reported_at_ms": now_ms}
+        res = await self.store.report_outcome(request_id, outcome)
+        if not res.record_found and not res.released:
+            raise NotFound("route record", request_id)
+        plan = (res.head or {}).get("plan") or {}
+        if res.released and plan:
+            dw = str(plan.get("decode_worker_id", ""))
+            pw = str(plan.get("prefill_worker_id", ""))
+            kv = int(plan.get("reserved_kv_bytes") or 0)
+            tokens = int(plan.get("prefill_tokens") or 0)
+            old = self.reserved(dw)
+            self._set_totals(
+                dw,
+                Totals(
+                    max(0, old.kv_bytes - kv),
+                    max(0, old.requests - 1),
+                    max(0, old.prefill_tokens - (tokens if pw == dw else 0)),
+                ),
+            )
+            if pw != dw and tokens:
+                old = self.reserved(pw)
+                self._set_totals(
+                    pw,
+                    Totals(old.kv_bytes, old.requests, max(0, old.prefill_tokens - tokens)),
+                )
+        metrics.OUTCOMES.labels(success=str(bool(outcome.get("success"))).lower()).inc()
+        if res.first_report and plan:
+            obs = observation_from(plan, outcome)
+            if obs is not None:
+                self.observed.observe(obs, now_ms / 1000.0)
+                self._changed.set()
+        return res.released, res.first_report
+
+    # -- policy -----------------------------------------------------------------------------
+
+    @property
+    def policy(self) -> PolicyState:
+        return self._policy
+
+    def reload_policy(self, builtin: str, yaml_text: str, dry_run: bool) -> PolicyState:
+        """Validate and (unless dry_run) install a new profile. A bad one raises
+        InvalidArgument naming the key; the current profile stays."""
+        try:
+            if builtin:
+                if builtin not in builtin_profile_names():
+                    raise InvalidArgument(
+                        "builtin_profile",
+                        f"unknown profile {builtin!r}; known: {builtin_profile_names()}",
+                    )
+                text = profile_document(builtin)
+            elif yaml_text:
+                text = yaml_text
+            else:
+                raise InvalidArgument("source", "give builtin_profile or profile_yaml")
+            profile, text = parse_policy(text)
+        except ConfigError as exc:
+            field = "profile_yaml" if yaml_text else "builtin_profile"
+            raise InvalidArgument(f"{field}.{exc.key_path}", exc.message) from None
+        old = self._policy
+        state = PolicyState(
+            profile, Planner(profile), text, old.generation + 1, self.clock.now_ms()
+        )
+        if dry_run:
+            return state
+        self._policy = state
+        log.info("policy_reloaded", profile=profile.name, generation=state.generation)
+        return state
+
+    # -- recommendations and directives ---------------------------------------------------
+
+    def recommendations(self, model_id: str = "") -> Recommendations:
+        """Rebalance plans and batch-size recommendations per model over the decode
+        workers of the current snapshot (pure functions of seed 001, fed with capacity-
+        normalised loads and, where a worker reports no ITL, the observed one)."""
+        fleet = self.fleet()
+        pol = self._policy
+        target = pol.profile.tier("").tpot_ms
+        models: list[ModelRecommendation] = []
+        loads_by_worker: dict[str, float] = {}
+        for (mid, role), index in sorted(fleet.indexes.items()):
+            if role is not Role.DECODE or (model_id and mid != model_id):
+                continue
+            loads = {ws.worker_id: worker_load(ws) for ws in index.workers}
+            loads_by_worker.update(loads)
+            caps = {ws.worker_id: max(ws.cap.hbm_gbps_total, 1e-6) for ws in index.workers}
+            queued = {ws.worker_id: ws.queue_depth() for ws in index.workers}
+            plan = rebalance_plan(loads, caps, queued)
+            batch: list[tuple[str, int, BatchRecommendation, float, float]] = []
+            for ws in index.workers:
+                v = ws.view
+                itl = v.load.itl_p99_ms if v.load is not None else 0.0
+                if itl <= 0:
+                    seen = self.observed.itl_ms.get(ws.worker_id)
+                    itl = seen.value if seen else 0.0
+                if itl <= 0:
+                    continue
+                current = min(
+                    self._batch_caps.get(ws.worker_id, v.max_batch_size), v.max_batch_size
+                )
+                rec = adapt_batch_size(current, v.max_batch_size, itl, target, ws.queue_depth())
+                batch.append((ws.worker_id, current, rec, itl, target))
+            models.append(ModelRecommendation(mid, plan, tuple(batch)))
+        obs = self.observed
+        ids = sorted(
+            set(obs.prefill_tps) | set(obs.itl_ms) | set(self._totals) | set(loads_by_worker)
+        )
+        workers = tuple(
+            WorkerFigures(
+                wid,
+                obs.prefill_tps[wid].value if wid in obs.prefill_tps else 0.0,
+                obs.itl_ms[wid].value if wid in obs.itl_ms else 0.0,
+                obs.samples(wid),
+                self.reserved(wid),
+                loads_by_worker.get(wid, 0.0),
+            )
+            for wid in ids
+        )
+        links = tuple(
+            (src, dst, e.value, e.samples) for (src, dst), e in sorted(obs.link_gbps.items())
+        )
+        return Recommendations(tuple(models), workers, links, self.clock.now_ms())
+
+    def _registry(self) -> r_grpc.RegistryServiceStub:
+        if self._registry_channel is None:
+            self._registry_channel = grpc.aio.insecure_channel(self.settings.registry_target)
+        return r_grpc.RegistryServiceStub(self._registry_channel)
+
+    async def send_directives(self) -> int:
+        """Turn the current recommendations into directives: SET_MAX_BATCH_SIZE for a
+        changed batch cap, MIGRATE for each rebalance move; each only when it differs from
+        the last one of its kind sent to that worker by any replica within
+        `directive_repeat_ms`, and at most `directive_max_per_cycle`. Returns how many."""
+        s = self.settings
+        recs = self.recommendations()
+        wanted: list[tuple[str, str, str, c.Directive]] = []
+        for m in recs.models:
+            for wid, _current, b, itl, tgt in m.batch:
+                if b.change.value == "keep":
+                    continue
+                d = c.Directive(
+                    kind=c.DIRECTIVE_KIND_SET_MAX_BATCH_SIZE,
+                    max_batch_size=b.max_batch_size,
+                    reason=f"{b.reason}: itl_p99 {itl:.1f} ms vs target {tgt:.1f} ms",
+                    issuer="scheduler",
+                )
+                wanted.append((wid, "batch", str(b.max_batch_size), d))
+            for mv in m.rebalance.moves:
+                frac = round(min(1.0, mv.fraction), 2)
+                if frac <= 0:
+                    continue
+                d = c.Directive(
+                    kind=c.DIRECTIVE_KIND_MIGRATE,
+                    target_worker_id=mv.dst,
+                    fraction=frac,
+                    reason=f"rebalance: mean load {m.rebalance.mean_load:.2f}",
+                    issuer="scheduler",
+                )
+                wanted.append((mv.src, "migrate", f"{mv.dst}:{frac}", d))
+        sent = 0
+        stub = self._registry()
+        for wid, kind, value, d in wanted:
+            if sent >= s.directive_max_per_cycle:
+                break
+            if not await self.store.directive_changed(wid, kind, value, s.directive_repeat_ms):
+                continue
+            try:
+                await stub.SendDirective(
+                    r.SendDirectiveRequest(worker_id=wid, directive=d), timeout=2
+                )
+            except grpc.aio.AioRpcError as exc:
+                log.warning("directive_not_sent", worker_id=wid, kind=kind, code=exc.code().name)
+                continue
+            if kind == "batch":
+                self._batch_caps[wid] = d.max_batch_size
+            metrics.DIRECTIVES_SENT.labels(kind=kind).inc()
+            log.info("directive_sent", worker_id=wid, kind=kind, value=value)
+            sent += 1
+        return sent
+
+    async def _directive_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.directive_interval_ms / 1000)
+            if not self.ready():
+                continue
+            try:
+                await self.send_directives()
+            except Unavailable as exc:
+                log.warning("directives_skipped", error=str(exc))

@@ -1,0 +1,319 @@
+"""Cluster descriptions for the simulator: pools of GPUs, their KV formats, the links between
+them and their prices, read from YAML and validated with the offending key named.
+
+A cluster document::
+
+    name: default
+    model: llama-3-8b                 # a model of hpd_common.perfmodel.MODELS
+    efficiency: {prefill_mfu: 0.5, decode_mbu: 0.7, tp_efficiency: 0.9}   # optional
+    defaults: {memory_fraction: 0.9, max_batch_size: 256, nic_gbps: 200}
+    pools:
+      - id: h100-prefill-a            # unique pool id
+        gpu: H100-SXM                 # a GPU profile (hpd_common.gpus)
+        count: 2                      # workers in the pool
+        tp: 1                         # GPUs per worker (tensor parallel degree)
+        stage: prefill                # prefill | decode | both
+        zone: a
+        rack: a1
+        kv: {dtype: bf16, layout: paged_nhd, block_size: 16}   # optional
+        price_per_gpu_hour: 6.9       # optional, default from the GPU table
+    links:                            # the policy core's LinkModel document
+      classes: {cross_zone: {gbps: 25, latency_ms: 2.0}}
+      pools: [{src: h100-prefill-a, dst: l40s-decode-b, gbps: 50, latency_ms: 1.0}]
+
+Pipes (what transfers contend for): a pool-pair override is one pipe per (source pool,
+destination pool); a locality class is one pipe per (class, source zone, destination zone),
+so every transfer from zone a to zone b shares the one cross-zone pipe. A pipe's capacity is
+the link's Gb/s (NIC-capped as the LinkModel caps it); concurrent transfers share it equally.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hpd_common import perfmodel
+from hpd_common.gpus import GpuProfile, UnknownGpuError, gpu_profile
+from hpd_common.kvformat import KvDtype, KvFormat, KvLayout
+from hpd_scheduler.policy import LinkModel, Locality, NetworkLocation, Stage, WorkerView
+from hpd_scheduler.policy.links import locality
+
+__all__ = [
+    "ClusterError",
+    "ClusterSpec",
+    "PoolSpec",
+    "default_cluster_path",
+    "load_cluster",
+    "parse_cluster",
+]
+
+
+class ClusterError(ValueError):
+    """A bad cluster document; ``key`` is the dotted path of the offending key."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"{key}: {message}")
+        self.key = key
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSpec:
+    """One pool: ``count`` identical workers of ``tp`` GPUs each."""
+
+    pool_id: str
+    gpu: GpuProfile
+    count: int
+    tp: int
+    stage: Stage
+    zone: str = ""
+    rack: str = ""
+    kv_dtype: KvDtype = KvDtype.BF16
+    kv_layout: KvLayout = KvLayout.PAGED_NHD
+    block_size: int = 16
+    nic_gbps: float = 200.0
+    max_batch_size: int = 256
+    memory_fraction: float = 0.9
+    price_per_gpu_hour: float = 0.0
+
+    @property
+    def gpus(self) -> int:
+        """GPUs in the pool: count x tp."""
+        return self.count * self.tp
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSpec:
+    """A validated cluster: model, efficiency, pools and the link model."""
+
+    name: str
+    model: perfmodel.ModelSpec
+    pools: tuple[PoolSpec, ...]
+    links: LinkModel = field(default_factory=LinkModel)
+    efficiency: perfmodel.Efficiency = perfmodel.DEFAULT_EFFICIENCY
+
+    @property
+    def gpus(self) -> int:
+        """Total GPUs."""
+        return sum(p.gpus for p in self.pools)
+
+    @property
+    def price_per_hour(self) -> float:
+        """Total assumed price in USD per hour: sum of GPUs x price per GPU-hour."""
+        return sum(p.gpus * p.price_per_gpu_hour for p in self.pools)
+
+    def colocated(self) -> ClusterSpec:
+        """The same GPUs with every pool serving both stages (the colocated baseline)."""
+        pools = tuple(replace(p, stage=Stage.BOTH) for p in self.pools)
+        return replace(self, name=f"{self.name}-colocated", pools=pools)
+
+    def kv_format(self, pool: PoolSpec) -> KvFormat:
+        """The pool's KV format descriptor for this cluster's model."""
+        return self.model.kv_format(
+            dtype=pool.kv_dtype,
+            layout=pool.kv_layout,
+            block_size_tokens=pool.block_size,
+            tp_size=pool.tp,
+        )
+
+    def worker_views(self) -> list[WorkerView]:
+        """Static worker views (no load report), one per worker, ids ``<pool>-<n>``; the
+        simulator fills in load and KV figures per decision."""
+        views: list[WorkerView] = []
+        for pool in self.pools:
+            fmt = self.kv_format(pool)
+            kv_tokens = perfmodel.max_kv_tokens(
+                self.model, pool.gpu, pool.tp, pool.memory_fraction, pool.kv_dtype
+            )
+            kv_total = kv_tokens * fmt.bytes_per_token()
+            for i in range(pool.count):
+                views.append(
+                    WorkerView(
+                        worker_id=f"{pool.pool_id}-{i}",
+                        pool_id=pool.pool_id,
+                        stage=pool.stage,
+                        model_id=self.model.name,
+                        kv_format=fmt,
+                        endpoint=f"sim://{pool.pool_id}/{i}",
+                        model_revision=self.model.name,
+                        gpu_profile=pool.gpu.name,
+                        gpu_count=pool.tp,
+                        tp_size=pool.tp,
+                        kv_total_bytes=kv_total,
+                        kv_available_bytes=kv_total,
+                        max_batch_size=pool.max_batch_size,
+                        location=NetworkLocation(
+                            zone=pool.zone,
+                            rack=pool.rack,
+                            host=f"{pool.pool_id}-{i}",
+                            nic_gbps=pool.nic_gbps,
+                        ),
+                        labels={"pool": pool.pool_id},
+                    )
+                )
+        return views
+
+    def pipe_key(self, src: WorkerView, dst: WorkerView) -> tuple[str, ...]:
+        """Which pipe a transfer from ``src`` to ``dst`` uses (module docstring)."""
+        if (src.pool_id, dst.pool_id) in self.links.pool_overrides:
+            return ("pools", src.pool_id, dst.pool_id)
+        loc = locality(src, dst)
+        if loc is Locality.SAME_HOST:
+            return ("host", src.location.host)
+        return (str(loc.value), src.location.zone, dst.location.zone)
+
+
+def default_cluster_path() -> Path:
+    """``data/clusters/default.yaml`` of the source tree (found from this file's location,
+    then from the working directory)."""
+    rel = Path("data") / "clusters" / "default.yaml"
+    for parent in Path(__file__).resolve().parents:
+        candidate = parent / rel
+        if candidate.is_file():
+            return candidate
+    return Path.cwd() / rel
+
+
+def _num(value: Any, key: str, lo: float, hi: float | None = None, integer: bool = False) -> Any:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ClusterError(key, f"must be a number, got {value!r}")
+    if integer and not isinstance(value, int):
+        raise ClusterError(key, f"must be an integer, got {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise ClusterError(key, f"must be {bound}, got {value!r}")
+    return value
+
+
+_POOL_KEYS = {
+    "id",
+    "gpu",
+    "count",
+    "tp",
+    "stage",
+    "zone",
+    "rack",
+    "kv",
+    "nic_gbps",
+    "max_batch_size",
+    "memory_fraction",
+    "price_per_gpu_hour",
+}
+_TOP_KEYS = {"name", "model", "efficiency", "defaults", "pools", "links", "description"}
+
+
+def _pool(raw: Any, key: str, defaults: Mapping[str, Any], seen: set[str]) -> PoolSpec:
+    if not isinstance(raw, Mapping):
+        raise ClusterError(key, "must be a mapping")
+    for k in raw:
+        if k not in _POOL_KEYS:
+            raise ClusterError(f"{key}.{k}", f"unknown key; known: {sorted(_POOL_KEYS)}")
+    pid = raw.get("id")
+    if not isinstance(pid, str) or not pid:
+        raise ClusterError(f"{key}.id", "must be a non-empty string")
+    if pid in seen:
+        raise ClusterError(f"{key}.id", f"duplicate pool id {pid!r}")
+    seen.add(pid)
+    try:
+        gpu = gpu_profile(str(raw.get("gpu", "")))
+    except UnknownGpuError as exc:
+        raise ClusterError(f"{key}.gpu", str(exc)) from None
+    try:
+        stage = Stage(str(raw.get("stage", "")))
+    except ValueError:
+        raise ClusterError(f"{key}.stage", "must be prefill, decode or both") from None
+    kv = raw.get("kv", {}) or {}
+    if not isinstance(kv, Mapping):
+        raise ClusterError(f"{key}.kv", "must be a mapping")
+    try:
+        dtype = KvDtype(str(kv.get("dtype", "bf16")))
+    except ValueError:
+        raise ClusterError(f"{key}.kv.dtype", f"one of {[d.value for d in KvDtype]}") from None
+    try:
+        layout = KvLayout(str(kv.get("layout", "paged_nhd")))
+    except ValueError:
+        raise ClusterError(f"{key}.kv.layout", f"one of {[v.value for v in KvLayout]}") from None
+
+    def get(name: str, fallback: Any) -> Any:
+        return raw.get(name, defaults.get(name, fallback))
+
+    price = raw.get("price_per_gpu_hour", gpu.price_per_hour_usd)
+    return PoolSpec(
+        pool_id=pid,
+        gpu=gpu,
+        count=_num(raw.get("count", 1), f"{key}.count", 1, integer=True),
+        tp=_num(raw.get("tp", 1), f"{key}.tp", 1, integer=True),
+        stage=stage,
+        zone=str(raw.get("zone", "")),
+        rack=str(raw.get("rack", "")),
+        kv_dtype=dtype,
+        kv_layout=layout,
+        block_size=_num(kv.get("block_size", 16), f"{key}.kv.block_size", 1, integer=True),
+        nic_gbps=float(_num(get("nic_gbps", 200.0), f"{key}.nic_gbps", 1e-9)),
+        max_batch_size=_num(get("max_batch_size", 256), f"{key}.max_batch_size", 1, integer=True),
+        memory_fraction=float(_num(get("memory_fraction", 0.9), f"{key}.memory_fraction", 0.01, 1)),
+        price_per_gpu_hour=float(_num(price, f"{key}.price_per_gpu_hour", 0.0)),
+    )
+
+
+def parse_cluster(doc: Any) -> ClusterSpec:
+    """Validate a cluster document (module docstring); :class:`ClusterError` names the key."""
+    if not isinstance(doc, Mapping):
+        raise ClusterError("<root>", "must be a mapping")
+    for k in doc:
+        if k not in _TOP_KEYS:
+            raise ClusterError(str(k), f"unknown key; known: {sorted(_TOP_KEYS)}")
+    try:
+        model = perfmodel.model_spec(str(doc.get("model", "")))
+    except perfmodel.UnknownModelError as exc:
+        raise ClusterError("model", str(exc)) from None
+    eff_raw = doc.get("efficiency", {}) or {}
+    if not isinstance(eff_raw, Mapping):
+        raise ClusterError("efficiency", "must be a mapping")
+    try:
+        eff = perfmodel.Efficiency(**{str(k): float(v) for k, v in eff_raw.items()})
+    except (TypeError, ValueError) as exc:
+        raise ClusterError("efficiency", str(exc)) from None
+    defaults = doc.get("defaults", {}) or {}
+    if not isinstance(defaults, Mapping):
+        raise ClusterError("defaults", "must be a mapping")
+    raw_pools = doc.get("pools")
+    if not isinstance(raw_pools, list) or not raw_pools:
+        raise ClusterError("pools", "must be a non-empty list")
+    seen: set[str] = set()
+    pools = tuple(_pool(p, f"pools[{i}]", defaults, seen) for i, p in enumerate(raw_pools))
+    for i, pool in enumerate(pools):
+        if perfmodel.max_kv_tokens(model, pool.gpu, pool.tp, pool.memory_fraction) <= 0:
+            raise ClusterError(f"pools[{i}].tp", f"{model.name} does not fit on {pool.gpu.name}")
+    links_raw = doc.get("links", {}) or {}
+    if not isinstance(links_raw, Mapping):
+        raise ClusterError("links", "must be a mapping")
+    try:
+        links = LinkModel.from_dict(links_raw)
+    except ValueError as exc:
+        raise ClusterError(getattr(exc, "field", "links"), str(exc)) from None
+    for src, dst in links.pool_overrides:
+        for end, pid in (("src", src), ("dst", dst)):
+            if pid not in seen:
+                raise ClusterError(f"links.pools.{end}", f"unknown pool {pid!r}")
+    return ClusterSpec(
+        name=str(doc.get("name", "cluster")),
+        model=model,
+        pools=pools,
+        links=links,
+        efficiency=eff,
+    )
+
+
+def load_cluster(path: str | Path | None = None) -> ClusterSpec:
+    """Load a cluster YAML file (the repository's default cluster when ``path`` is None)."""
+    p = Path(path) if path is not None else default_cluster_path()
+    try:
+        doc = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise ClusterError("<yaml>", str(exc)) from None
+    return parse_cluster(doc)

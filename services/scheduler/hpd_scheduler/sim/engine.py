@@ -1,0 +1,706 @@
+"""The discrete-event cluster simulator: a simulated clock, an event heap, no sleeping.
+
+Every scheduling decision is made by the policy core itself (``Planner.plan`` on a
+``Fleet`` built from :class:`~hpd_scheduler.policy.WorkerView` values that this module derives
+from its own worker state), exactly as the scheduler service calls it; the simulator only
+plays the cluster. Service times come from the shared performance model
+(``hpd_common.perfmodel``), so simulator, emulated fleet and scheduler agree on GPU speed.
+
+The model of one worker (one engine on ``tp`` GPUs) is a single serial executor running
+*iterations*, as vLLM- and SGLang-style engines do:
+
+* **prefill iteration**: the head of the worker's prefill queue, ``perfmodel.prefill_ms``
+  for its prompt. A worker with prefills waiting runs them before its next decode step
+  (prefill-first scheduling without chunking); on a worker that also decodes (recompute,
+  colocated) the running sequences wait, which is the interference disaggregation removes.
+* **decode iteration** (continuous batching): one token for every running sequence,
+  ``perfmodel.decode_step_ms(batch, total context)``; sequences whose KV arrived during the
+  previous iteration join at the next boundary, finished ones leave at the end of theirs.
+* **KV memory**: a sequence reserves ``prompt + output`` tokens of KV on its decode worker at
+  admission (no preemption) and frees them when it finishes; capacity is
+  ``perfmodel.max_kv_tokens``. Admission is FIFO and also bounded by the worker's max batch.
+  KV held on prefill workers until the transfer ends is not modelled.
+* **hand-off** (pull, as DistServe and Mooncake do): after a remote prefill the request waits
+  in its decode worker's admission queue; once admitted its KV
+  (``prompt x bytes per token`` of the prefill worker's format) crosses the pipe between the
+  two (``cluster.ClusterSpec.pipe_key``), whose bandwidth concurrent transfers share equally
+  (processor sharing); link latency and any format conversion
+  (``kvformat.negotiate(...).cost_ms_per_gib``) are added after the bytes. RECOMPUTE and
+  SAME_POOL run the prefill on the decode worker after admission.
+
+Latencies: TTFT = first token - arrival, where the first token is produced when the KV is on
+the decode worker (transfer delivered, or local prefill done); TPOT = (finish - first token)
+/ (output - 1); per-token gaps are the decode iteration ends a sequence took part in, so a
+prefill iteration interleaved on its worker shows up as a long gap (Mooncake's TBT).
+
+Load reports (what the policy sees): queue depth (admission + prefill queues), running
+prefills, batch size, ITL p50/p99 of the last 32 steps, free KV, GPU utilisation (busy
+fraction, exponentially weighted over ``util_tau_s``) and memory utilisation.
+``report_interval_s = 0`` gives every decision a fresh report of every worker (a Fleet is
+built per decision: O(workers), measured cheap for tens of workers); a positive interval
+publishes reports at those ticks only, builds the Fleet once per tick and counts the
+decisions in between through ``apply_reservations`` (reports then lag reality by up to an
+interval, which is what a scheduler fed by heartbeats sees). Requests routed to a decode
+worker but not yet admitted there are shown as pending reservations either way.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from hpd_common import perfmodel
+from hpd_common.gpus import GpuProfile
+from hpd_common.kvformat import GIB, negotiate
+from hpd_common.traces import TraceRequest
+from hpd_scheduler.policy import (
+    DecisionKind,
+    Fleet,
+    LoadReport,
+    Mode,
+    Planner,
+    Profile,
+    Request,
+    StalenessPolicy,
+    WorkerView,
+    apply_reservations,
+)
+
+from .cluster import ClusterSpec
+
+__all__ = ["RequestOutcome", "SimConfig", "SimResult", "Simulator", "simulate", "tbt_ms"]
+
+_ARRIVAL, _ITER, _PIPE, _DELIVER = 0, 1, 2, 3
+_EPS_BITS = 1e-3
+_ITL_WINDOW = 32
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """Knobs of one run. ``tiers``: tier names with weights, assigned per request from the
+    seeded RNG (a single tier by default); ``report_interval_s``: see the module docstring;
+    ``util_tau_s``: time constant of the GPU-utilisation average."""
+
+    seed: int = 0
+    tiers: tuple[tuple[str, float], ...] = (("standard", 1.0),)
+    report_interval_s: float = 0.0
+    util_tau_s: float = 1.0
+    keep_gaps: bool = False
+
+
+@dataclass(slots=True)
+class RequestOutcome:
+    """What happened to one request. Times in seconds on the simulated clock; ``first_s`` and
+    ``finish_s`` are NaN for a rejected request. ``tbt_ms``: mean of the longest 10 % of its
+    token gaps (0 for a single-token output)."""
+
+    index: int
+    tier: str
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    rejected: bool = False
+    reject_reason: str = ""
+    kind: str = ""
+    mode: str = ""
+    prefill_worker: str = ""
+    decode_worker: str = ""
+    first_s: float = math.nan
+    finish_s: float = math.nan
+    tbt_ms: float = 0.0
+    gaps_ms: tuple[float, ...] = ()
+
+    @property
+    def ttft_ms(self) -> float:
+        """Time to first token in ms (NaN if rejected)."""
+        return (self.first_s - self.arrival_s) * 1e3
+
+    @property
+    def tpot_ms(self) -> float:
+        """Mean time per output token after the first, in ms (0 for one output token)."""
+        if self.output_tokens <= 1:
+            return 0.0
+        return (self.finish_s - self.first_s) * 1e3 / (self.output_tokens - 1)
+
+    @property
+    def latency_s(self) -> float:
+        """End-to-end latency (arrival to last token), seconds."""
+        return self.finish_s - self.arrival_s
+
+
+@dataclass(slots=True)
+class SimResult:
+    """The outcomes of one run plus run-level figures."""
+
+    policy: str
+    cluster: str
+    rate_scale: float
+    outcomes: list[RequestOutcome]
+    sim_end_s: float
+    wall_s: float
+    decisions: int
+    events: int
+    fleet_builds: int
+    modes: dict[str, int] = field(default_factory=dict)
+    kinds: dict[str, int] = field(default_factory=dict)
+    reject_reasons: dict[str, int] = field(default_factory=dict)
+    busy_fraction: dict[str, float] = field(default_factory=dict)
+
+
+class _Pipe:
+    """A shared link: concurrent transfers split ``gbps`` equally (processor sharing)."""
+
+    __slots__ = ("active", "bits_per_s", "last_s", "version")
+
+    def __init__(self, gbps: float) -> None:
+        self.bits_per_s = gbps * 1e9
+        self.active: dict[int, float] = {}
+        self.last_s = 0.0
+        self.version = 0
+
+    def advance(self, now: float) -> None:
+        n = len(self.active)
+        if n:
+            done = (now - self.last_s) * self.bits_per_s / n
+            if done > 0:
+                act = self.active
+                for k in act:
+                    act[k] -= done
+        self.last_s = now
+
+    def next_finish(self, now: float) -> float:
+        n = len(self.active)
+        return now + max(0.0, min(self.active.values())) * n / self.bits_per_s
+
+
+class _Worker:
+    """One simulated engine (see the module docstring)."""
+
+    __slots__ = (
+        "active",
+        "admit_q",
+        "admitted",
+        "batch",
+        "bpt",
+        "busy",
+        "busy_since",
+        "busy_total",
+        "ctx",
+        "dtype",
+        "finish_heap",
+        "gpu",
+        "idx",
+        "iter_kind",
+        "iter_payload",
+        "itl",
+        "joiners",
+        "kv_cap",
+        "kv_used",
+        "max_batch",
+        "pending_kv",
+        "pending_reqs",
+        "prefill_q",
+        "step_count",
+        "step_ends",
+        "step_start",
+        "tp",
+        "util",
+        "util_t",
+        "view",
+    )
+
+    def __init__(self, idx: int, view: WorkerView, gpu: GpuProfile) -> None:
+        self.idx = idx
+        self.view = view
+        self.gpu = gpu
+        self.dtype = view.kv_format.dtype
+        self.active = False
+        self.tp = view.tp_size
+        self.bpt = view.kv_format.bytes_per_token()
+        self.kv_cap = view.kv_total_bytes // self.bpt if self.bpt else 0
+        self.kv_used = 0
+        self.max_batch = view.max_batch_size
+        self.admit_q: deque[int] = deque()
+        self.prefill_q: deque[int] = deque()
+        self.joiners: list[int] = []
+        self.admitted = 0
+        self.batch = 0
+        self.ctx = 0
+        self.finish_heap: list[tuple[int, int]] = []
+        self.step_count = 0
+        self.step_ends: list[float] = []
+        self.step_start = 0.0
+        self.busy = False
+        self.iter_kind = 0
+        self.iter_payload = -1
+        self.itl: deque[float] = deque(maxlen=_ITL_WINDOW)
+        self.pending_kv = 0
+        self.pending_reqs = 0
+        self.busy_since = 0.0
+        self.busy_total = 0.0
+        self.util = 0.0
+        self.util_t = 0.0
+
+
+class Simulator:
+    """One run of one policy over one trace on one cluster (see the module docstring).
+
+    ``profile``: a policy-core profile (``builtin_profile(...)`` or ``load_profile(...)``);
+    a ``colocated`` pairing runs on :meth:`ClusterSpec.colocated` (every pool serves both
+    stages). ``on_progress(done, total)`` is called every 1 % of completed requests.
+    """
+
+    def __init__(
+        self,
+        cluster: ClusterSpec,
+        profile: Profile,
+        requests: Sequence[TraceRequest],
+        config: SimConfig | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> None:
+        self.config = config or SimConfig()
+        if profile.pairing == "colocated":
+            cluster = cluster.colocated()
+        self.cluster = cluster
+        self.profile = profile
+        self.planner = Planner(profile)
+        self.requests = list(requests)
+        self.on_progress = on_progress
+        self.rng = random.Random(self.config.seed)
+        self.tier_rng = random.Random(self.config.seed + 1)
+        views = cluster.worker_views()
+        gpu_of = {p.pool_id: p.gpu for p in cluster.pools}
+        self.workers = [_Worker(i, v, gpu_of[v.pool_id]) for i, v in enumerate(views)]
+        self.by_id = {w.view.worker_id: w for w in self.workers}
+        self.model = cluster.model
+        self.eff = cluster.efficiency
+        self.pipes: dict[tuple[str, ...], _Pipe] = {}
+        self.pipe_list: list[_Pipe] = []
+        self._pipe_of: dict[tuple[int, int], tuple[int, float, float]] = {}
+        self.staleness = StalenessPolicy()
+        self._heap: list[tuple[float, int, int, int, int]] = []
+        self._seq = 0
+        self._xfer_dst: dict[int, tuple[int, float]] = {}
+        self._xfer_id = 0
+        self.now = 0.0
+        self.outcomes: list[RequestOutcome] = []
+        self._plans: list[tuple[int, int, int]] = []
+        self._join_step: list[int] = []
+        self._done = 0
+        self._fleet: Fleet | None = None
+        self._next_tick = 0.0
+        self.fleet_builds = 0
+        self.decisions = 0
+        self.events = 0
+        self.modes: dict[str, int] = {}
+        self.kinds: dict[str, int] = {}
+        self.reject_reasons: dict[str, int] = {}
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def _push(self, t: float, kind: int, a: int, b: int) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, kind, a, b))
+
+    def _pick_tier(self) -> str:
+        tiers = self.config.tiers
+        if len(tiers) == 1:
+            return tiers[0][0]
+        total = sum(w for _, w in tiers)
+        x = self.tier_rng.random() * total
+        for name, w in tiers:
+            x -= w
+            if x < 0:
+                return name
+        return tiers[-1][0]
+
+    def _pipe_for(self, src: _Worker, dst: _Worker) -> tuple[int, float, float]:
+        """(pipe index, fixed delay s = latency + conversion per byte later, conv ms/byte)."""
+        key = (src.idx, dst.idx)
+        hit = self._pipe_of.get(key)
+        if hit is not None:
+            return hit
+        _, link = self.cluster.links.between(src.view, dst.view)
+        pkey = self.cluster.pipe_key(src.view, dst.view)
+        pipe = self.pipes.get(pkey)
+        if pipe is None:
+            pipe = _Pipe(link.gbps)
+            self.pipes[pkey] = pipe
+            self.pipe_list.append(pipe)
+        neg = negotiate(src.view.kv_format, dst.view.kv_format)
+        conv_ms_per_byte = neg.cost_ms_per_gib / GIB if neg.transferable else 0.0
+        hit = (self.pipe_list.index(pipe), link.latency_ms * 1e-3, conv_ms_per_byte)
+        self._pipe_of[key] = hit
+        return hit
+
+    # -- load reports and the policy call -----------------------------------------------------
+
+    def _util(self, w: _Worker, now: float) -> float:
+        """Busy fraction, exponentially weighted with time constant ``util_tau_s``."""
+        tau = self.config.util_tau_s
+        decay = math.exp(-(now - w.util_t) / tau) if now > w.util_t else 1.0
+        target = 1.0 if w.active else 0.0
+        return target + (w.util - target) * decay
+
+    def _set_active(self, w: _Worker, active: bool, now: float) -> None:
+        """Utilisation bookkeeping, updated only when the worker turns busy or idle (back to
+        back iterations are one busy period)."""
+        if w.active == active:
+            return
+        w.util = self._util(w, now)
+        w.util_t = now
+        if active:
+            w.busy_since = now
+        else:
+            w.busy_total += now - w.busy_since
+        w.active = active
+
+    def view_of(self, w: _Worker, now: float) -> WorkerView:
+        """The worker as the scheduler would see it now (capability + fresh load report)."""
+        v = w.view
+        bpt = w.bpt
+        free = (w.kv_cap - w.kv_used) * bpt
+        if w.itl:
+            recent = sorted(w.itl)
+            p50 = recent[len(recent) // 2]
+            p99 = recent[min(len(recent) - 1, (len(recent) * 99) // 100)]
+        else:
+            p50 = p99 = 0.0
+        blocks_total = w.kv_cap // v.kv_format.block_size_tokens
+        load = LoadReport(
+            reported_at_s=now,
+            queue_depth=len(w.admit_q) + len(w.prefill_q),
+            max_queue_depth=0,
+            running_prefills=1 if (w.busy and w.iter_kind == 0) else 0,
+            batch_size=w.batch + len(w.joiners),
+            itl_p50_ms=p50,
+            itl_p99_ms=p99,
+            prefill_tokens_per_s=0.0,
+            kv_blocks_free=(w.kv_cap - w.kv_used) // v.kv_format.block_size_tokens,
+            kv_blocks_total=blocks_total,
+            gpu_util=self._util(w, now),
+            mem_util=w.kv_used / w.kv_cap if w.kv_cap else 1.0,
+        )
+        return WorkerView(
+            worker_id=v.worker_id,
+            pool_id=v.pool_id,
+            stage=v.stage,
+            model_id=v.model_id,
+            kv_format=v.kv_format,
+            endpoint=v.endpoint,
+            model_revision=v.model_revision,
+            gpu_profile=v.gpu_profile,
+            gpu_count=v.gpu_count,
+            tp_size=v.tp_size,
+            kv_total_bytes=v.kv_total_bytes,
+            kv_available_bytes=free,
+            max_batch_size=v.max_batch_size,
+            location=v.location,
+            labels=v.labels,
+            load=load,
+            pending_requests=w.pending_reqs,
+            pending_kv_bytes=w.pending_kv,
+        )
+
+    def _fleet_now(self, now: float) -> Fleet:
+        interval = self.config.report_interval_s
+        if self._fleet is not None and interval > 0 and now < self._next_tick:
+            return self._fleet
+        if interval > 0:
+            tick = math.floor(now / interval) * interval
+            self._next_tick = tick + interval
+            stamp = tick
+        else:
+            stamp = now
+        views = [self.view_of(w, stamp) for w in self.workers]
+        self._fleet = Fleet.build(views, now, links=self.cluster.links, staleness=self.staleness)
+        self.fleet_builds += 1
+        return self._fleet
+
+    # -- events ---------------------------------------------------------------------------------
+
+    def _arrive(self, i: int, now: float) -> None:
+        r = self.requests[i]
+        out = self.outcomes[i]
+        fleet = self._fleet_now(now)
+        req = Request(
+            request_id=f"r{i}",
+            model_id=self.model.name,
+            prompt_tokens=r.prompt_tokens,
+            expected_output_tokens=r.output_tokens,
+            tier=out.tier,
+        )
+        decision = self.planner.plan(req, fleet, now, self.rng)
+        self.decisions += 1
+        kind = str(decision.kind.value)
+        self.kinds[kind] = self.kinds.get(kind, 0) + 1
+        out.kind = kind
+        plan = decision.plan
+        if decision.kind is DecisionKind.REJECT or plan is None:
+            out.rejected = True
+            reason = decision.reject_reasons[0] if decision.reject_reasons else "rejected"
+            out.reject_reason = reason
+            self.reject_reasons[reason] = self.reject_reasons.get(reason, 0) + 1
+            self._complete_count()
+            return
+        if self.config.report_interval_s > 0:
+            apply_reservations(fleet, decision)
+        mode = str(plan.mode.value)
+        self.modes[mode] = self.modes.get(mode, 0) + 1
+        out.mode = mode
+        out.prefill_worker = plan.prefill_worker_id
+        out.decode_worker = plan.decode_worker_id
+        pw = self.by_id[plan.prefill_worker_id]
+        dw = self.by_id[plan.decode_worker_id]
+        local = plan.mode is not Mode.TRANSFER or pw is dw
+        self._plans[i] = (pw.idx, dw.idx, 1 if local else 0)
+        dw.pending_kv += (r.prompt_tokens + r.output_tokens) * dw.bpt
+        if local:
+            dw.admit_q.append(i)
+            self._admit(dw, now)
+        else:
+            dw.pending_reqs += 1
+            pw.prefill_q.append(i)
+            self._kick(pw, now)
+
+    def _admit(self, w: _Worker, now: float) -> None:
+        """Admit from the head of the queue while KV memory and the batch bound allow."""
+        q = w.admit_q
+        kicked = False
+        while q:
+            i = q[0]
+            r = self.requests[i]
+            need = r.prompt_tokens + r.output_tokens
+            if w.kv_used + need > w.kv_cap or w.admitted >= w.max_batch:
+                break
+            q.popleft()
+            w.kv_used += need
+            w.admitted += 1
+            w.pending_kv -= need * w.bpt
+            p_idx, _, local = self._plans[i]
+            if local:
+                w.prefill_q.append(i)
+                kicked = True
+            else:
+                self._start_transfer(i, self.workers[p_idx], w, now)
+        if kicked:
+            self._kick(w, now)
+
+    def _start_transfer(self, i: int, src: _Worker, dst: _Worker, now: float) -> None:
+        r = self.requests[i]
+        pidx, delay_s, conv_ms_per_byte = self._pipe_for(src, dst)
+        nbytes = r.prompt_tokens * src.bpt
+        extra_s = delay_s + nbytes * conv_ms_per_byte * 1e-3
+        pipe = self.pipe_list[pidx]
+        pipe.advance(now)
+        self._xfer_id += 1
+        xid = self._xfer_id
+        pipe.active[xid] = nbytes * 8.0
+        self._xfer_dst[xid] = (i, extra_s)
+        pipe.version += 1
+        self._push(pipe.next_finish(now), _PIPE, pidx, pipe.version)
+
+    def _pipe_event(self, pidx: int, version: int, now: float) -> None:
+        pipe = self.pipe_list[pidx]
+        if version != pipe.version:
+            return
+        pipe.advance(now)
+        # anything due within a nanosecond is done (float time cannot resolve less)
+        eps = _EPS_BITS + pipe.bits_per_s / max(1, len(pipe.active)) * 1e-9
+        done = [x for x, left in pipe.active.items() if left <= eps]
+        for x in done:
+            del pipe.active[x]
+            i, extra_s = self._xfer_dst.pop(x)
+            self._push(now + extra_s, _DELIVER, i, 0)
+        if pipe.active:
+            pipe.version += 1
+            self._push(pipe.next_finish(now), _PIPE, pidx, pipe.version)
+
+    def _deliver(self, i: int, now: float) -> None:
+        """KV arrived on the decode worker: first token; join the batch."""
+        _, d_idx, _ = self._plans[i]
+        self._first_token(i, self.workers[d_idx], now)
+
+    def _first_token(self, i: int, w: _Worker, now: float) -> None:
+        out = self.outcomes[i]
+        out.first_s = now
+        if out.output_tokens <= 1:
+            self._finish(i, w, now, from_step=False)
+            self._admit(w, now)
+            return
+        w.joiners.append(i)
+        self._kick(w, now)
+
+    def _kick(self, w: _Worker, now: float) -> None:
+        """Start the next iteration if the worker is idle: prefills first, then a decode
+        step over the running batch (joiners merged); otherwise go idle."""
+        if w.busy:
+            return
+        if w.prefill_q:
+            i = w.prefill_q.popleft()
+            r = self.requests[i]
+            dur = perfmodel.prefill_ms(self.model, w.gpu, w.tp, r.prompt_tokens, self.eff)
+            w.iter_kind = 0
+            w.iter_payload = i
+            w.busy = True
+            self._set_active(w, True, now)
+            self._push(now + dur * 1e-3, _ITER, w.idx, i)
+            return
+        if w.joiners:
+            sc = w.step_count
+            heap = w.finish_heap
+            join_step = self._join_step
+            for i in w.joiners:
+                r = self.requests[i]
+                w.ctx += r.prompt_tokens + 1
+                w.batch += 1
+                # joins after step sc; takes part in steps sc+1 .. sc+output-1
+                heapq.heappush(heap, (sc + r.output_tokens - 1, i))
+                join_step[i] = sc
+            w.joiners.clear()
+        if w.batch:
+            dur = perfmodel.decode_step_ms(
+                self.model, w.gpu, w.tp, w.batch, w.ctx, self.eff, w.dtype
+            )
+            w.iter_kind = 1
+            w.step_start = now
+            w.busy = True
+            self._set_active(w, True, now)
+            self._push(now + dur * 1e-3, _ITER, w.idx, -1)
+            return
+        self._set_active(w, False, now)
+
+    def _iter_done(self, w: _Worker, now: float) -> None:
+        w.busy = False
+        if w.iter_kind == 0:
+            i = w.iter_payload
+            _, d_idx, local = self._plans[i]
+            if local:
+                self._first_token(i, w, now)
+            else:
+                dw = self.workers[d_idx]
+                dw.pending_reqs -= 1
+                dw.admit_q.append(i)
+                self._admit(dw, now)
+        else:
+            w.step_count += 1
+            w.ctx += w.batch
+            w.step_ends.append(now)
+            w.itl.append((now - w.step_start) * 1e3)
+            sc = w.step_count
+            heap = w.finish_heap
+            freed = False
+            while heap and heap[0][0] <= sc:
+                _, i = heapq.heappop(heap)
+                r = self.requests[i]
+                w.batch -= 1
+                w.ctx -= r.prompt_tokens + r.output_tokens
+                self._finish(i, w, now, from_step=True)
+                freed = True
+            if freed:
+                self._admit(w, now)
+        self._kick(w, now)
+
+    def _finish(self, i: int, w: _Worker, now: float, from_step: bool) -> None:
+        """Record the last token, free the KV reservation and the batch slot."""
+        out = self.outcomes[i]
+        r = self.requests[i]
+        out.finish_s = now
+        if from_step:
+            j = self._join_step[i]
+            ends = w.step_ends[j : j + r.output_tokens - 1]
+            g = [(ends[0] - out.first_s) * 1e3]
+            g.extend((b - a) * 1e3 for a, b in zip(ends, ends[1:], strict=False))
+            out.tbt_ms = tbt_ms(g)
+            if self.config.keep_gaps:
+                out.gaps_ms = tuple(g)
+        w.kv_used -= r.prompt_tokens + r.output_tokens
+        w.admitted -= 1
+        self._complete_count()
+
+    def _complete_count(self) -> None:
+        self._done += 1
+        cb = self.on_progress
+        if cb is not None:
+            n = len(self.requests)
+            step = max(1, n // 100)
+            if self._done % step == 0 or self._done == n:
+                cb(self._done, n)
+
+    # -- run ------------------------------------------------------------------------------------
+
+    def run(self, rate_scale: float = 1.0) -> SimResult:
+        """Simulate until every request has completed or been rejected."""
+        t0 = time.perf_counter()
+        n = len(self.requests)
+        self.outcomes = [
+            RequestOutcome(i, self._pick_tier(), r.arrival_s, r.prompt_tokens, r.output_tokens)
+            for i, r in enumerate(self.requests)
+        ]
+        self._plans = [(-1, -1, 0)] * n
+        self._join_step = [0] * n
+        for i, r in enumerate(self.requests):
+            self._push(r.arrival_s, _ARRIVAL, i, 0)
+        heap = self._heap
+        workers = self.workers
+        pop = heapq.heappop
+        events = 0
+        now = 0.0
+        while heap:
+            now, _, kind, a, b = pop(heap)
+            events += 1
+            if kind == _ITER:
+                self._iter_done(workers[a], now)
+            elif kind == _ARRIVAL:
+                self._arrive(a, now)
+            elif kind == _PIPE:
+                self._pipe_event(a, b, now)
+            else:
+                self._deliver(a, now)
+        for w in workers:
+            self._set_active(w, False, now)
+        self.now = now
+        end = max(now, 1e-9)
+        return SimResult(
+            policy=self.profile.name,
+            cluster=self.cluster.name,
+            rate_scale=rate_scale,
+            outcomes=self.outcomes,
+            sim_end_s=now,
+            wall_s=time.perf_counter() - t0,
+            decisions=self.decisions,
+            events=events,
+            fleet_builds=self.fleet_builds,
+            modes=dict(self.modes),
+            kinds=dict(self.kinds),
+            reject_reasons=dict(self.reject_reasons),
+            busy_fraction={w.view.worker_id: w.busy_total / end for w in workers},
+        )
+
+
+def tbt_ms(gaps: Sequence[float]) -> float:
+    """Mooncake's TBT: the mean of the longest 10 % of a request's token gaps (at least one
+    gap; ms)."""
+    if not gaps:
+        return 0.0
+    k = max(1, len(gaps) // 10)
+    top = heapq.nlargest(k, gaps)
+    return sum(top) / k
+
+
+def simulate(
+    cluster: ClusterSpec,
+    profile: Profile,
+    requests: Sequence[TraceRequest],
+    config: SimConfig | None = None,
+    rate_scale: float = 1.0,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> SimResult:
+    """Run one simulation; ``requests`` are used as given (rate-scale them beforehand with
+    ``hpd_common.traces.reshape``; ``rate_scale`` is only recorded in the result)."""
+    return Simulator(cluster, profile, requests, config, on_progress).run(rate_scale)

@@ -1,0 +1,113 @@
+"""Run policies over a trace on a cluster: single points, rate sweeps and goodput searches,
+shared by ``hpd sim`` and ``bench/goodput.py``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hpd_common.traces import Trace, reshape
+from hpd_scheduler.policy import Profile, builtin_profile, builtin_profile_names, load_profile
+
+from .cluster import ClusterSpec
+from .engine import SimConfig, simulate
+from .goodput import search_goodput
+from .metrics import Slo, Summary, summarize
+
+__all__ = ["POLICY_ALIASES", "PolicyRun", "resolve_policy", "run_point", "run_policy"]
+
+POLICY_ALIASES: dict[str, str] = {"ours": "default", "least-loaded": "least_loaded"}
+"""Extra names accepted for the built-in profiles (``ours`` is the default profile)."""
+
+Progress = Callable[[str, int, int], None]
+
+
+def resolve_policy(name: str) -> Profile:
+    """A built-in profile by name (or alias), or a profile YAML file by path."""
+    key = POLICY_ALIASES.get(name, name).replace("-", "_")
+    if key in builtin_profile_names():
+        return builtin_profile(key)
+    path = Path(name)
+    if path.suffix in (".yaml", ".yml") and path.is_file():
+        return load_profile(path)
+    known = sorted({*builtin_profile_names(), *POLICY_ALIASES})
+    raise ValueError(f"unknown policy {name!r}; built-in: {', '.join(known)} or a YAML path")
+
+
+def run_point(
+    cluster: ClusterSpec,
+    profile: Profile,
+    trace: Trace,
+    scale: float,
+    slo: Slo,
+    config: SimConfig,
+    tier_slos: dict[str, Slo] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> Summary:
+    """Simulate ``trace`` at ``scale`` x its rate and summarise against ``slo``."""
+    reqs = reshape(trace, rate_scale=scale)
+    result = simulate(cluster, profile, reqs.requests, config, scale, progress)
+    return summarize(result, slo, tier_slos, base_rate_rps=trace.mean_rate)
+
+
+@dataclass(slots=True)
+class PolicyRun:
+    """Every point evaluated for one policy and, when searched, its goodput."""
+
+    policy: str
+    points: list[Summary] = field(default_factory=list)
+    goodput_scale: float | None = None
+    goodput_rps: float | None = None
+
+    def to_dict(self, gpus: int, price_per_hour: float) -> dict[str, Any]:
+        """JSON-ready dict; goodput per GPU (req/s) and per dollar (requests per USD)."""
+        out: dict[str, Any] = {
+            "policy": self.policy,
+            "points": [p.to_dict() for p in sorted(self.points, key=lambda p: p.rate_scale)],
+        }
+        if self.goodput_rps is not None:
+            out["goodput_scale"] = self.goodput_scale
+            out["goodput_rps"] = self.goodput_rps
+            out["goodput_rps_per_gpu"] = self.goodput_rps / gpus if gpus else 0.0
+            out["goodput_requests_per_usd"] = (
+                self.goodput_rps * 3600.0 / price_per_hour if price_per_hour > 0 else 0.0
+            )
+        return out
+
+
+def run_policy(
+    cluster: ClusterSpec,
+    policy: str,
+    trace: Trace,
+    slo: Slo,
+    config: SimConfig,
+    scales: list[float] | None = None,
+    search: bool = False,
+    target: float = 0.9,
+    start: float = 1.0,
+    rel_tol: float = 0.02,
+    tier_slos: dict[str, Slo] | None = None,
+    progress: Progress | None = None,
+) -> PolicyRun:
+    """Evaluate ``policy`` at each of ``scales`` and, with ``search``, find its goodput."""
+    profile = resolve_policy(policy)
+    run = PolicyRun(policy)
+    seen: dict[float, Summary] = {}
+
+    def at(scale: float) -> float:
+        if scale not in seen:
+            label = f"{policy} x{scale:.3g}"
+            cb = (lambda d, n: progress(label, d, n)) if progress else None
+            seen[scale] = run_point(cluster, profile, trace, scale, slo, config, tier_slos, cb)
+            run.points.append(seen[scale])
+        return seen[scale].attainment
+
+    for s in scales or []:
+        at(s)
+    if search:
+        found = search_goodput(at, target=target, start=start, rel_tol=rel_tol)
+        run.goodput_scale = found.scale
+        run.goodput_rps = found.scale * trace.mean_rate
+    return run

@@ -1,0 +1,139 @@
+"""Registry records as the planner's worker views, with observed figures folded in. Pure.
+
+Health is taken from the registry's flags (unhealthy, suspect, draining, cordoned), not
+re-derived from heartbeat timestamps here: the registry owns liveness, announces expiry
+as a deletion, and a worker heartbeating without a load report produces no feed event,
+so a local clock comparison would wrongly call it suspect.
+
+Free KV memory is ``total x free blocks / total blocks`` from the last load report, or the
+whole total when the worker has not reported yet.
+
+Observed estimates (``feedback.py``) fill the figures the worker's own report lacks: a
+report's ``prefill_tokens_per_s`` / ``itl_p50_ms`` of 0 means "not measured" and is replaced
+by the outcome-fed average; a worker that never reported gets a report carrying only those
+averages, dated when the last outcome arrived, so the planner's staleness confidence
+applies to them exactly as to a report.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from hpd_registry.domain import Stage as RegStage
+from hpd_registry.domain import WorkerRecord
+from hpd_scheduler.feedback import Ewma, ObservedEstimates
+from hpd_scheduler.policy import (
+    Health,
+    Link,
+    LinkModel,
+    LoadReport,
+    NetworkLocation,
+    Stage,
+    WorkerView,
+)
+
+__all__ = ["health_of", "link_model", "view_of"]
+
+
+def health_of(rec: WorkerRecord) -> Health:
+    """The registry's flags as a policy health, by the registry's precedence."""
+    st = rec.state
+    if st.unhealthy:
+        return Health.UNHEALTHY
+    if st.suspect:
+        return Health.SUSPECT
+    if st.draining:
+        return Health.DRAINING
+    if st.cordoned:
+        return Health.CORDONED
+    return Health.HEALTHY
+
+
+def _stage(stages: tuple[RegStage, ...]) -> Stage:
+    pre = RegStage.PREFILL in stages
+    dec = RegStage.DECODE in stages
+    if pre and dec:
+        return Stage.BOTH
+    return Stage.PREFILL if pre else Stage.DECODE
+
+
+def view_of(
+    rec: WorkerRecord,
+    observed: ObservedEstimates | None = None,
+) -> WorkerView:
+    """The planner's view of one registry record (module docstring)."""
+    spec = rec.spec
+    total = spec.kv_memory_total_bytes
+    free = total
+    load: LoadReport | None = None
+    r = rec.load
+    tps_obs: Ewma | None = None
+    itl_obs: Ewma | None = None
+    if observed is not None:
+        tps_obs = observed.prefill_tps.get(spec.worker_id)
+        itl_obs = observed.itl_ms.get(spec.worker_id)
+    if r is not None:
+        if r.kv_blocks_total > 0:
+            free = int(total * min(1.0, max(0.0, r.kv_blocks_free / r.kv_blocks_total)))
+        tps = r.prefill_tokens_per_s or (tps_obs.value if tps_obs else 0.0)
+        itl = r.itl_p50_ms or (itl_obs.value if itl_obs else 0.0)
+        load = LoadReport(
+            reported_at_s=r.reported_at_ms / 1000.0,
+            queue_depth=r.queue_depth,
+            max_queue_depth=r.queue_max,
+            running_prefills=r.running_prefills,
+            batch_size=r.batch_size,
+            itl_p50_ms=itl,
+            itl_p99_ms=r.itl_p99_ms,
+            prefill_tokens_per_s=tps,
+            kv_blocks_free=r.kv_blocks_free,
+            kv_blocks_total=r.kv_blocks_total,
+            gpu_util=r.gpu_util,
+            mem_util=r.memory_util,
+        )
+    elif tps_obs is not None or itl_obs is not None:
+        when = max(
+            tps_obs.updated_at_s if tps_obs else 0.0, itl_obs.updated_at_s if itl_obs else 0.0
+        )
+        load = LoadReport(
+            reported_at_s=when,
+            itl_p50_ms=itl_obs.value if itl_obs else 0.0,
+            prefill_tokens_per_s=tps_obs.value if tps_obs else 0.0,
+        )
+    net = spec.network
+    return WorkerView(
+        worker_id=spec.worker_id,
+        pool_id=spec.pool_id,
+        stage=_stage(spec.stages),
+        model_id=spec.model_id,
+        kv_format=spec.kv_format,
+        endpoint=spec.endpoint,
+        model_revision=spec.model_revision,
+        gpu_profile=spec.gpu_type,
+        gpu_count=max(1, spec.gpu_count),
+        tp_size=max(1, spec.tp_size),
+        kv_total_bytes=total,
+        kv_available_bytes=free,
+        max_batch_size=max(1, spec.max_batch_size),
+        location=NetworkLocation(
+            zone=net.zone, rack=net.rack, host=net.host, nic_gbps=net.nic_gbps or 100.0
+        ),
+        health=health_of(rec),
+        labels=dict(spec.labels),
+        load=load,
+        peak_tflops=spec.peak_tflops or None,
+        hbm_gbps=spec.hbm_gbps or None,
+    )
+
+
+def link_model(
+    observed: Mapping[tuple[str, str], Ewma], base: LinkModel | None = None
+) -> LinkModel:
+    """The link model with observed pool-pair rates as overrides (latency folded into the
+    rate, so 0 ms)."""
+    base = base or LinkModel()
+    overrides = dict(base.pool_overrides)
+    for pair, ewma in observed.items():
+        if ewma.samples and ewma.value > 0:
+            overrides[pair] = Link(gbps=ewma.value, latency_ms=0.0)
+    return LinkModel(classes=base.classes, pool_overrides=overrides)

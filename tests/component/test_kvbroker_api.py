@@ -1,0 +1,424 @@
+"""KvBrokerService through its gRPC API: negotiation rules, the matrix, session lifecycle,
+who may do what, WatchSession and ListSessions."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import pytest
+
+from hetero_pd.v1 import common_pb2 as c
+from hetero_pd.v1 import kvbroker_pb2 as k
+from hetero_pd.v1 import registry_pb2 as r
+from hpd_common.embedded_redis import EmbeddedRedis
+from hpd_common.errors import InvalidArgument
+from hpd_kvbroker.service import KvBrokerSettings, policy_from
+from tests.conftest import RegistryHandle
+from tests.support.fleet import kv_format
+from tests.unit.kvbroker.harness import (
+    GIB,
+    BrokerHandle,
+    caller,
+    open_request,
+    register,
+    start_broker,
+)
+
+pytestmark = pytest.mark.integration
+
+TOKEN = "sched-secret"
+SCHED = k.SessionCaller(scheduler_token=TOKEN)
+V = k.CompatibilityVerdict
+
+
+@dataclass
+class Env:
+    broker: BrokerHandle
+    registry: RegistryHandle
+    creds: dict[str, str]
+
+    @property
+    def stub(self) -> Any:
+        return self.broker.stub
+
+    def as_(self, worker_id: str) -> k.SessionCaller:
+        return caller(worker_id, self.creds[worker_id])
+
+
+@pytest.fixture
+async def env(
+    redis_server: EmbeddedRedis, registry: RegistryHandle, key_prefix: str
+) -> AsyncIterator[Env]:
+    creds = {
+        "p1": await register(registry.stub, "p1", lease_ttl_ms=30_000),
+        "d1": await register(
+            registry.stub,
+            "d1",
+            lease_ttl_ms=30_000,
+            pool_id="a100-decode",
+            stages=(c.STAGE_DECODE,),
+            gpu="A100-80G",
+            block=32,
+        ),
+        "d2": await register(
+            registry.stub,
+            "d2",
+            lease_ttl_ms=30_000,
+            pool_id="l40s-decode",
+            stages=(c.STAGE_DECODE,),
+            gpu="L40S",
+            dtype=c.KV_DTYPE_FP8_E4M3,
+        ),
+        "x1": await register(registry.stub, "x1", lease_ttl_ms=30_000),
+    }
+    broker = await start_broker(
+        redis_server.url, key_prefix, registry_target=registry.target, scheduler_token=TOKEN
+    )
+    assert broker.service.informer is not None
+    assert await broker.service.informer.wait_synced(5)
+    yield Env(broker, registry, creds)
+    await broker.close()
+
+
+async def code_of(call: Any) -> grpc.StatusCode:
+    try:
+        await call
+    except grpc.aio.AioRpcError as exc:
+        return exc.code()
+    return grpc.StatusCode.OK
+
+
+# -- negotiation -------------------------------------------------------------------------------
+
+FP8, BF16, FP16 = c.KV_DTYPE_FP8_E4M3, c.KV_DTYPE_BF16, c.KV_DTYPE_FP16
+NHD, HND, CONT = c.KV_LAYOUT_PAGED_NHD, c.KV_LAYOUT_PAGED_HND, c.KV_LAYOUT_CONTIGUOUS
+
+
+def fmt(**kw: Any) -> c.KvFormat:
+    layers = kw.pop("num_layers", None)
+    heads = kw.pop("num_kv_heads", None)
+    dim = kw.pop("head_dim", None)
+    f = kv_format(**kw)
+    if layers is not None:
+        f.num_layers = layers
+    if heads is not None:
+        f.num_kv_heads = heads
+    if dim is not None:
+        f.head_dim = dim
+    return f
+
+
+RULES = [
+    pytest.param({}, V.COMPATIBILITY_VERDICT_COMPATIBLE, [], id="identical"),
+    pytest.param({"revision": "rev-b"}, V.COMPATIBILITY_VERDICT_INCOMPATIBLE,
+                 ["model_revision_mismatch"], id="model-revision"),
+    pytest.param({"num_layers": 40}, V.COMPATIBILITY_VERDICT_INCOMPATIBLE,
+                 ["num_layers_mismatch"], id="layers"),
+    pytest.param({"num_kv_heads": 4}, V.COMPATIBILITY_VERDICT_INCOMPATIBLE,
+                 ["kv_heads_mismatch"], id="kv-heads"),
+    pytest.param({"head_dim": 64}, V.COMPATIBILITY_VERDICT_INCOMPATIBLE,
+                 ["head_dim_mismatch"], id="head-dim"),
+    pytest.param({"dtype": FP8}, V.COMPATIBILITY_VERDICT_INCOMPATIBLE,
+                 ["kv_dtype_narrowing_not_allowed"], id="dtype-narrowing-refused"),
+    pytest.param({"dtype": FP16}, V.COMPATIBILITY_VERDICT_INCOMPATIBLE,
+                 ["kv_dtype_narrowing_not_allowed"], id="dtype-same-width-lossy"),
+    pytest.param({"layout": HND}, V.COMPATIBILITY_VERDICT_CONVERTIBLE,
+                 ["kv_layout_mismatch"], id="layout-permute"),
+    pytest.param({"layout": CONT}, V.COMPATIBILITY_VERDICT_CONVERTIBLE,
+                 ["kv_layout_mismatch"], id="layout-repack"),
+    pytest.param({"block": 32}, V.COMPATIBILITY_VERDICT_CONVERTIBLE,
+                 ["block_size_mismatch"], id="block-regroup"),
+    pytest.param({"tp": 2}, V.COMPATIBILITY_VERDICT_CONVERTIBLE,
+                 ["tp_size_mismatch"], id="tp-reshard"),
+    pytest.param({"backend": "flashinfer"}, V.COMPATIBILITY_VERDICT_INCOMPATIBLE,
+                 ["attention_backend_mismatch"], id="attention-backend"),
+    pytest.param({"layout": HND, "block": 64, "tp": 4}, V.COMPATIBILITY_VERDICT_CONVERTIBLE,
+                 ["kv_layout_mismatch", "block_size_mismatch", "tp_size_mismatch"],
+                 id="three-conversions"),
+    pytest.param({"revision": "x", "backend": "sdpa", "block": 32},
+                 V.COMPATIBILITY_VERDICT_INCOMPATIBLE,
+                 ["model_revision_mismatch", "attention_backend_mismatch"], id="every-reason"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("dst", "verdict", "reasons"), RULES)
+async def test_negotiate_rules(
+    env: Env, dst: dict[str, Any], verdict: int, reasons: list[str]
+) -> None:
+    resp = await env.stub.Negotiate(
+        k.NegotiateRequest(source_format=fmt(), destination_format=fmt(**dst), kv_bytes=GIB),
+        timeout=5,
+    )
+    n = resp.negotiation
+    assert (n.verdict, list(n.reasons)) == (verdict, reasons)
+    assert len(n.details) == len(reasons)
+    if verdict == V.COMPATIBILITY_VERDICT_CONVERTIBLE:
+        assert len(n.steps) == len(reasons)
+        assert resp.conversion_ms == pytest.approx(sum(s.cost_ms_per_gib for s in n.steps))
+    else:
+        assert list(n.steps) == []
+
+
+def test_fp8_widening_is_allowed_by_the_rules_the_broker_uses() -> None:
+    """The widening direction of the dtype rule (fp8 -> bf16) is a conversion."""
+    from hpd_common.kvformat import KvDtype, KvFormat, KvLayout, negotiate
+
+    src = KvFormat(KvDtype.FP8_E4M3, KvLayout.PAGED_NHD, 16, 32, 8, 128)
+    dst = KvFormat(KvDtype.BF16, KvLayout.PAGED_NHD, 16, 32, 8, 128)
+    policy = policy_from(KvBrokerSettings())
+    assert negotiate(src, dst, policy).reasons == ("kv_dtype_mismatch",)
+
+
+@pytest.mark.parametrize(
+    ("text", "groups"),
+    [
+        pytest.param("", frozenset(), id="none"),
+        pytest.param(
+            "flash_attn+flashinfer, xformers+sdpa",
+            frozenset({frozenset({"flash_attn", "flashinfer"}), frozenset({"xformers", "sdpa"})}),
+            id="two-groups",
+        ),
+    ],
+)
+def test_policy_from_settings(text: str, groups: frozenset[frozenset[str]]) -> None:
+    assert policy_from(KvBrokerSettings(compatible_backends=text)).compatible_backends == groups
+
+
+def test_policy_refuses_a_group_of_one() -> None:
+    with pytest.raises(InvalidArgument, match="compatible_backends"):
+        policy_from(KvBrokerSettings(compatible_backends="flash_attn"))
+
+
+async def test_negotiate_between_registered_workers(env: Env) -> None:
+    resp = await env.stub.Negotiate(
+        k.NegotiateRequest(source_worker_id="p1", destination_worker_id="d1", kv_bytes=4 * GIB),
+        timeout=5,
+    )
+    assert resp.negotiation.verdict == V.COMPATIBILITY_VERDICT_CONVERTIBLE
+    assert resp.destination_format.block_size_tokens == 32
+    assert resp.conversion_ms == pytest.approx(4.0)  # block regroup: 1 ms/GiB x 4 GiB
+    mixed = await env.stub.Negotiate(
+        k.NegotiateRequest(source_worker_id="p1", destination_format=fmt()), timeout=5
+    )
+    assert mixed.negotiation.verdict == V.COMPATIBILITY_VERDICT_COMPATIBLE
+    missing = env.stub.Negotiate(
+        k.NegotiateRequest(source_worker_id="p1", destination_worker_id="nobody"), timeout=5
+    )
+    assert await code_of(missing) == grpc.StatusCode.NOT_FOUND
+
+
+async def _matrix(env: Env) -> list[tuple[str, str, int]]:
+    resp = await env.stub.GetCompatibilityMatrix(
+        k.GetCompatibilityMatrixRequest(model_id="llama-3-8b"), timeout=5
+    )
+    return [(p.prefill_worker_id, p.decode_worker_id, p.negotiation.verdict) for p in resp.pairs]
+
+
+async def _eventually(check: Callable[[], Any], timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not await check():
+        assert asyncio.get_running_loop().time() < deadline, "condition never held"
+        await asyncio.sleep(0.02)
+
+
+async def test_matrix_follows_the_registry(env: Env) -> None:
+    assert await _matrix(env) == [
+        ("p1", "d1", V.COMPATIBILITY_VERDICT_CONVERTIBLE),
+        ("p1", "d2", V.COMPATIBILITY_VERDICT_INCOMPATIBLE),
+        ("x1", "d1", V.COMPATIBILITY_VERDICT_CONVERTIBLE),
+        ("x1", "d2", V.COMPATIBILITY_VERDICT_INCOMPATIBLE),
+    ]
+    await register(env.registry.stub, "d3", stages=(c.STAGE_DECODE,), lease_ttl_ms=30_000)
+
+    async def has_d3() -> bool:
+        return ("p1", "d3", V.COMPATIBILITY_VERDICT_COMPATIBLE) in await _matrix(env)
+
+    await _eventually(has_d3)
+    await env.registry.stub.DeregisterWorker(
+        r.DeregisterWorkerRequest(worker_id="x1", credential=env.creds["x1"]), timeout=5
+    )
+
+    async def no_x1() -> bool:
+        return all(p != "x1" for p, _, _ in await _matrix(env))
+
+    await _eventually(no_x1)
+
+
+# -- sessions: who may do what ---------------------------------------------------------------
+
+AUTH_CASES = [
+    pytest.param("scheduler", grpc.StatusCode.OK, id="scheduler-token"),
+    pytest.param("p1", grpc.StatusCode.OK, id="source-worker"),
+    pytest.param("d1", grpc.StatusCode.OK, id="destination-worker"),
+    pytest.param("x1", grpc.StatusCode.PERMISSION_DENIED, id="other-worker"),
+    pytest.param("p1-bad", grpc.StatusCode.PERMISSION_DENIED, id="wrong-credential"),
+    pytest.param("bad-token", grpc.StatusCode.PERMISSION_DENIED, id="wrong-token"),
+    pytest.param("nobody", grpc.StatusCode.INVALID_ARGUMENT, id="no-caller"),
+]
+
+
+def who(env: Env, name: str) -> k.SessionCaller | None:
+    special = {
+        "scheduler": SCHED,
+        "p1-bad": caller("p1", "not-it"),
+        "bad-token": k.SessionCaller(scheduler_token="guess"),
+        "nobody": None,
+    }
+    return special[name] if name in special else env.as_(name)
+
+
+@pytest.mark.parametrize(("name", "code"), AUTH_CASES)
+async def test_who_may_open(env: Env, name: str, code: grpc.StatusCode) -> None:
+    call = env.stub.OpenSession(open_request("req-1", who=who(env, name)), timeout=5)
+    assert await code_of(call) == code
+
+
+@pytest.mark.parametrize(
+    ("name", "progress", "abort"),
+    [
+        pytest.param("p1", grpc.StatusCode.OK, grpc.StatusCode.OK, id="source"),
+        pytest.param("d1", grpc.StatusCode.OK, grpc.StatusCode.OK, id="destination"),
+        pytest.param("scheduler", grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.OK,
+                     id="scheduler-aborts-only"),
+        pytest.param("x1", grpc.StatusCode.PERMISSION_DENIED,
+                     grpc.StatusCode.PERMISSION_DENIED, id="other-worker"),
+        pytest.param("p1-bad", grpc.StatusCode.PERMISSION_DENIED,
+                     grpc.StatusCode.PERMISSION_DENIED, id="wrong-credential"),
+    ],
+)  # fmt: skip
+async def test_who_may_advance(
+    env: Env, name: str, progress: grpc.StatusCode, abort: grpc.StatusCode
+) -> None:
+    opened = await env.stub.OpenSession(open_request("req-2", who=SCHED), timeout=5)
+    sid = opened.session.session_id
+    req = k.ReportProgressRequest(session_id=sid, caller=who(env, name), bytes_done=10)
+    assert await code_of(env.stub.ReportProgress(req, timeout=5)) == progress
+    abort_req = k.AbortSessionRequest(session_id=sid, caller=who(env, name))
+    assert await code_of(env.stub.AbortSession(abort_req, timeout=5)) == abort
+    got = await env.stub.GetSession(k.GetSessionRequest(session_id=sid), timeout=5)
+    expected = k.SESSION_STATE_ABORTED if abort == grpc.StatusCode.OK else (
+        k.SESSION_STATE_TRANSFERRING if progress == grpc.StatusCode.OK
+        else k.SESSION_STATE_NEGOTIATED
+    )  # fmt: skip
+    assert got.session.state == expected
+
+
+async def test_open_is_idempotent_per_request_id(env: Env) -> None:
+    first = await env.stub.OpenSession(open_request("req-3", who=SCHED), timeout=5)
+    again = await env.stub.OpenSession(open_request("req-3", who=env.as_("d1")), timeout=5)
+    assert first.created and not again.created
+    assert again.session == first.session
+    other = env.stub.OpenSession(open_request("req-3", who=SCHED, expected=GIB + 1), timeout=5)
+    assert await code_of(other) == grpc.StatusCode.ALREADY_EXISTS
+
+
+async def test_an_incompatible_pair_gets_no_session(env: Env) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await env.stub.OpenSession(open_request("req-4", dst="d2", who=SCHED), timeout=5)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "bf16" in (err.value.details() or "")
+    got = env.stub.GetSession(k.GetSessionRequest(request_id="req-4"), timeout=5)
+    assert await code_of(got) == grpc.StatusCode.NOT_FOUND
+
+
+async def test_open_without_a_token_configured_needs_no_credential(
+    redis_server: EmbeddedRedis, env: Env, key_prefix: str
+) -> None:
+    open_broker = await start_broker(redis_server.url, key_prefix)
+    try:
+        resp = await open_broker.stub.OpenSession(open_request("req-5"), timeout=5)
+        assert resp.session.updated_by == "scheduler"
+        progress = open_broker.stub.ReportProgress(
+            k.ReportProgressRequest(session_id=resp.session.session_id, bytes_done=1), timeout=5
+        )
+        assert await code_of(progress) == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        await open_broker.close()
+
+
+# -- lifecycle, watch, list --------------------------------------------------------------------
+
+
+async def test_a_full_lifecycle_seen_by_a_watcher(env: Env) -> None:
+    opened = await env.stub.OpenSession(open_request("req-6", who=env.as_("p1")), timeout=5)
+    sid = opened.session.session_id
+    watch = env.stub.WatchSession(k.WatchSessionRequest(request_id="req-6"))
+    seen = [(await watch.read()).session]
+    p1, d1 = env.as_("p1"), env.as_("d1")
+    await env.stub.ReportProgress(
+        k.ReportProgressRequest(session_id=sid, caller=d1, state=k.SESSION_STATE_RESERVED),
+        timeout=5,
+    )
+    for n in (GIB // 4, GIB // 2):
+        await env.stub.ReportProgress(
+            k.ReportProgressRequest(session_id=sid, caller=p1, bytes_done=n), timeout=5
+        )
+    back = env.stub.ReportProgress(
+        k.ReportProgressRequest(session_id=sid, caller=p1, bytes_done=GIB // 8), timeout=5
+    )
+    assert await code_of(back) == grpc.StatusCode.FAILED_PRECONDITION
+    done = await env.stub.CompleteSession(k.CompleteSessionRequest(session_id=sid, caller=d1))
+    again = await env.stub.CompleteSession(k.CompleteSessionRequest(session_id=sid, caller=p1))
+    assert again.session == done.session
+    late = env.stub.AbortSession(k.AbortSessionRequest(session_id=sid, caller=SCHED), timeout=5)
+    assert await code_of(late) == grpc.StatusCode.FAILED_PRECONDITION
+    while (msg := await watch.read()) is not grpc.aio.EOF:
+        seen.append(msg.session)
+    assert [(s.state, s.bytes_done, s.version) for s in seen] == [
+        (k.SESSION_STATE_NEGOTIATED, 0, 1),
+        (k.SESSION_STATE_RESERVED, 0, 2),
+        (k.SESSION_STATE_TRANSFERRING, GIB // 4, 3),
+        (k.SESSION_STATE_TRANSFERRING, GIB // 2, 4),
+        (k.SESSION_STATE_COMPLETE, GIB, 5),
+    ]
+    resumed = env.stub.WatchSession(k.WatchSessionRequest(session_id=sid, from_version=3))
+    assert [m.session.version async for m in resumed] == [5]
+
+
+async def test_a_failure_report_needs_a_reason_and_ends_the_session(env: Env) -> None:
+    opened = await env.stub.OpenSession(open_request("req-7", who=SCHED), timeout=5)
+    sid = opened.session.session_id
+    no_reason = k.ReportProgressRequest(
+        session_id=sid, caller=env.as_("d1"), state=k.SESSION_STATE_FAILED
+    )
+    assert await code_of(env.stub.ReportProgress(no_reason, timeout=5)) == (
+        grpc.StatusCode.INVALID_ARGUMENT
+    )
+    no_reason.reason = "rdma link down"
+    failed = await env.stub.ReportProgress(no_reason, timeout=5)
+    assert (failed.session.state, failed.session.reason) == (
+        k.SESSION_STATE_FAILED,
+        "rdma link down",
+    )
+
+
+async def test_list_sessions_filters_and_pages(env: Env) -> None:
+    sids = []
+    for i in range(5):
+        opened = await env.stub.OpenSession(open_request(f"list-{i}", who=SCHED), timeout=5)
+        sids.append(opened.session.session_id)
+    await env.stub.AbortSession(k.AbortSessionRequest(session_id=sids[1], caller=SCHED))
+    pages: list[list[str]] = []
+    token = ""
+    while True:
+        resp = await env.stub.ListSessions(
+            k.ListSessionsRequest(page_size=2, page_token=token), timeout=5
+        )
+        pages.append([s.session_id for s in resp.sessions])
+        token = resp.next_page_token
+        if not token:
+            break
+    assert [sid for page in pages for sid in page] == sorted(sids)
+    assert [len(p) for p in pages] == [2, 2, 1]
+    aborted = await env.stub.ListSessions(
+        k.ListSessionsRequest(state=k.SESSION_STATE_ABORTED), timeout=5
+    )
+    assert [s.session_id for s in aborted.sessions] == [sids[1]]
+    of_d2 = await env.stub.ListSessions(k.ListSessionsRequest(worker_id="d2"), timeout=5)
+    assert list(of_d2.sessions) == []
+    of_d1 = await env.stub.ListSessions(k.ListSessionsRequest(worker_id="d1"), timeout=5)
+    assert len(of_d1.sessions) == 5

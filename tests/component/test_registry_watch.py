@@ -1,0 +1,163 @@
+"""WatchWorkers (snapshot, changes, resume, resync) and leases (SUSPECT, then EXPIRED)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import grpc
+import pytest
+
+from hetero_pd.v1 import common_pb2 as c
+from hetero_pd.v1 import registry_pb2 as r
+from tests.conftest import RegistryHandle, external, start_registry
+from tests.support.fleet import capability, load
+
+pytestmark = pytest.mark.integration
+T = r.WatchEventType
+
+
+async def next_event(call: Any, want: int, worker_id: str = "", timeout: float = 5.0) -> Any:
+    """Reads events until one of type `want` (for `worker_id`, if given) arrives."""
+    deadline = time.monotonic() + timeout
+    while True:
+        ev = await asyncio.wait_for(call.read(), max(0.01, deadline - time.monotonic()))
+        assert ev is not grpc.aio.EOF
+        if ev.type == want and (not worker_id or ev.worker_id == worker_id):
+            return ev
+
+
+async def test_watch_snapshot_then_changes(registry: RegistryHandle) -> None:
+    model = registry.prefix + "-model"
+    a = registry.prefix + "-a"
+    reg_a = await registry.stub.RegisterWorker(
+        r.RegisterWorkerRequest(capability=capability(a, model=model)), timeout=5
+    )
+    call = registry.stub.WatchWorkers(r.WatchWorkersRequest(model_id=model))
+    snap = await next_event(call, T.WATCH_EVENT_TYPE_SNAPSHOT)
+    assert snap.worker_id == a and snap.worker.capability.model_id == model
+    end = await next_event(call, T.WATCH_EVENT_TYPE_SNAPSHOT_END)
+    assert end.revision >= snap.revision
+
+    b = registry.prefix + "-b"
+    await registry.stub.RegisterWorker(
+        r.RegisterWorkerRequest(capability=capability(b, model=model, pool_id="a100-decode",
+                                                      stages=(c.STAGE_DECODE,))),
+        timeout=5,
+    )
+    put = await next_event(call, T.WATCH_EVENT_TYPE_PUT, b)
+    assert put.worker.capability.pool_id == "a100-decode" and put.revision > end.revision
+
+    await registry.stub.Heartbeat(
+        r.HeartbeatRequest(worker_id=a, credential=reg_a.credential, load=load(queue=5)), timeout=5
+    )
+    ev = await next_event(call, T.WATCH_EVENT_TYPE_LOAD, a)
+    assert ev.worker.load.queue_depth == 5 and ev.revision > put.revision
+
+    await registry.stub.CordonWorker(r.CordonWorkerRequest(worker_id=a), timeout=5)
+    ev = await next_event(call, T.WATCH_EVENT_TYPE_PUT, a)
+    assert ev.worker.status.health == c.HEALTH_STATE_CORDONED
+
+    await registry.stub.DeregisterWorker(
+        r.DeregisterWorkerRequest(worker_id=a, credential=reg_a.credential), timeout=5
+    )
+    gone = await next_event(call, T.WATCH_EVENT_TYPE_DELETE, a)
+    assert gone.reason == "deregistered"
+    # other models' workers never appear on this watch
+    await registry.stub.RegisterWorker(
+        r.RegisterWorkerRequest(capability=capability(registry.prefix + "-other")), timeout=5
+    )
+    ev = await next_event(call, T.WATCH_EVENT_TYPE_BOOKMARK)
+    assert ev.worker_id == ""
+    call.cancel()
+
+
+async def test_watch_resumes_from_revision(registry: RegistryHandle) -> None:
+    model = registry.prefix + "-m"
+    first = await registry.stub.RegisterWorker(
+        r.RegisterWorkerRequest(capability=capability(registry.prefix + "-1", model=model)),
+        timeout=5,
+    )
+    second_id = registry.prefix + "-2"
+    await registry.stub.RegisterWorker(
+        r.RegisterWorkerRequest(capability=capability(second_id, model=model)), timeout=5
+    )
+    call = registry.stub.WatchWorkers(
+        r.WatchWorkersRequest(from_revision=first.revision, model_id=model)
+    )
+    ev = await asyncio.wait_for(call.read(), 5)
+    # no snapshot: the change after the revision, replayed
+    assert ev.type == T.WATCH_EVENT_TYPE_PUT and ev.worker_id == second_id
+    call.cancel()
+
+
+@pytest.mark.skipif(external("registry") is not None, reason="needs its own registry settings")
+async def test_watch_from_trimmed_revision_resyncs(redis_server: Any, key_prefix: str) -> None:
+    server = await start_registry(redis_server.url, key_prefix, feed_max_len=10)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    try:
+        from hetero_pd.v1 import registry_pb2_grpc as r_grpc  # noqa: PLC0415
+
+        stub = r_grpc.RegistryServiceStub(channel)
+        reg = await stub.RegisterWorker(
+            r.RegisterWorkerRequest(capability=capability(key_prefix + "-x")), timeout=5
+        )
+        for i in range(300):  # push the feed well past its cap (trimming is approximate)
+            await stub.Heartbeat(r.HeartbeatRequest(worker_id=key_prefix + "-x",
+                                                    credential=reg.credential, load=load(queue=i)),
+                                 timeout=5)
+        call = stub.WatchWorkers(r.WatchWorkersRequest(from_revision=1))
+        ev = await asyncio.wait_for(call.read(), 5)
+        assert ev.type == T.WATCH_EVENT_TYPE_RESYNC
+        ev = await asyncio.wait_for(call.read(), 5)
+        assert ev.type == T.WATCH_EVENT_TYPE_SNAPSHOT and ev.worker.load.queue_depth == 299
+        call.cancel()
+    finally:
+        await channel.close()
+        await server.stop(0)
+
+
+async def test_silent_worker_turns_suspect_then_expires(registry: RegistryHandle) -> None:
+    wid = registry.prefix + "-quiet"
+    ttl_ms = 1_200
+    reg = await registry.stub.RegisterWorker(
+        r.RegisterWorkerRequest(capability=capability(wid), lease_ttl_ms=ttl_ms), timeout=5
+    )
+    assert reg.lease_ttl_ms == ttl_ms
+    call = registry.stub.WatchWorkers(r.WatchWorkersRequest(from_revision=reg.revision))
+    start = time.monotonic()
+    ev = await next_event(call, T.WATCH_EVENT_TYPE_PUT, wid, timeout=5)
+    assert ev.worker.status.health == c.HEALTH_STATE_SUSPECT
+    suspect_after = time.monotonic() - start
+    gone = await next_event(call, T.WATCH_EVENT_TYPE_DELETE, wid, timeout=5)
+    expired_after = time.monotonic() - start
+    assert gone.reason == "lease_expired"
+    # SUSPECT after two missed intervals (2 x 400 ms), EXPIRED within TTL + one sweep (+ slack)
+    assert 0.7 <= suspect_after < expired_after
+    assert expired_after <= (ttl_ms + 100) / 1000 + 1.0
+    code = None
+    try:
+        await registry.stub.GetWorker(r.GetWorkerRequest(worker_id=wid), timeout=5)
+    except grpc.aio.AioRpcError as exc:
+        code = exc.code()
+    assert code == grpc.StatusCode.NOT_FOUND
+    hb = r.HeartbeatRequest(worker_id=wid, credential=reg.credential)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await registry.stub.Heartbeat(hb, timeout=5)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    call.cancel()
+
+
+async def test_heartbeat_after_suspect_restores_healthy(registry: RegistryHandle) -> None:
+    wid = registry.prefix + "-back"
+    reg = await registry.stub.RegisterWorker(
+        r.RegisterWorkerRequest(capability=capability(wid), lease_ttl_ms=1_500), timeout=5
+    )
+    call = registry.stub.WatchWorkers(r.WatchWorkersRequest(from_revision=reg.revision))
+    await next_event(call, T.WATCH_EVENT_TYPE_PUT, wid)  # SUSPECT
+    await registry.stub.Heartbeat(r.HeartbeatRequest(worker_id=wid, credential=reg.credential),
+                                  timeout=5)
+    ev = await next_event(call, T.WATCH_EVENT_TYPE_PUT, wid)
+    assert ev.worker.status.health == c.HEALTH_STATE_HEALTHY
+    call.cancel()

@@ -1,0 +1,392 @@
+"""The scheduler over real gRPC (port 0), a real registry and a real Redis.
+
+A heterogeneous fleet is registered through the registry; the scheduler sees it through
+its informer, and each test checks that the plan is the one the fleet explains:
+prefill-heavy work goes to the compute-rich pool, decode-heavy work to the
+bandwidth-rich pool, a slow link or KV that cannot be exchanged means recompute, an
+unhealthy preferred pool means reroute, nothing executable means reject.
+
+Also here: the scheduler harness the other scheduler test modules import (`start_scheduler`,
+`SchedulerHandle`, the `scheduler` fixture, which honours HPD_SCHEDULER_ADDR).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from hetero_pd.v1 import common_pb2 as c
+from hetero_pd.v1 import registry_pb2 as r
+from hetero_pd.v1 import scheduler_pb2 as s
+from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
+from hpd_common import redis_conn
+from hpd_common.embedded_redis import EmbeddedRedis
+from hpd_common.server import GrpcServer
+from hpd_scheduler.service import SchedulerService
+from tests.conftest import RegistryHandle, external
+from tests.support.fleet import capability, load
+
+pytestmark = pytest.mark.integration
+
+
+@dataclass
+class SchedulerHandle:
+    target: str
+    channel: grpc.aio.Channel
+    stub: s_grpc.SchedulerServiceStub
+    server: GrpcServer | None
+    registry: RegistryHandle
+
+    @property
+    def service(self) -> SchedulerService | None:
+        if self.server is None:
+            return None
+        svc: SchedulerService = self.server.component.service  # type: ignore[attr-defined]
+        return svc
+
+    async def settle(self, worker_ids: list[str], timeout_s: float = 5.0) -> None:
+        """Wait until the scheduler's view holds these workers as registered (and their
+        latest load), then rebuild the snapshot now."""
+        svc = self.service
+        if svc is None:
+            await asyncio.sleep(1.5)  # external scheduler: one rebuild interval and then some
+            return
+        want = {
+            w: (await self.registry.stub.GetWorker(r.GetWorkerRequest(worker_id=w), timeout=5))
+            .worker.revision
+            for w in worker_ids
+        }
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            seen = svc.informer.workers
+            if all(w in seen and seen[w].revision >= rev for w, rev in want.items()):
+                svc.rebuild()
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"scheduler never saw {sorted(want)}")
+
+
+async def start_scheduler(redis_url: str, prefix: str, registry: str, **overrides: Any) -> GrpcServer:
+    from hpd_scheduler.__main__ import build_server
+    from hpd_scheduler.service import SchedulerSettings
+
+    defaults: dict[str, Any] = {
+        "staleness_bound_ms": 3_000,
+        "fleet_rebuild_interval_ms": 5,
+        "reservation_sync_interval_ms": 100,
+        "directive_interval_ms": 0,
+        "informer_max_backoff_ms": 200,
+        "scheduler_id": "test",
+    }
+    defaults.update(overrides)
+    settings = SchedulerSettings(
+        port=0, redis_url=redis_url, key_prefix=prefix, registry_target=registry, **defaults
+    )
+    server = build_server(settings, redis_conn.connect(redis_url))
+    server._probe_interval_s = 0.1
+    await server.start()
+    return server
+
+
+async def stop_scheduler(server: GrpcServer) -> None:
+    await server.stop(0)
+    if server.redis is not None:
+        await server.redis.aclose()
+
+
+@pytest.fixture
+async def scheduler(
+    redis_server: EmbeddedRedis, registry: RegistryHandle
+) -> AsyncIterator[SchedulerHandle]:
+    addr = external("scheduler")
+    server = None
+    if addr is None:
+        server = await start_scheduler(redis_server.url, registry.prefix, registry.target)
+        addr = f"127.0.0.1:{server.port}"
+    channel = grpc.aio.insecure_channel(addr)
+    try:
+        yield SchedulerHandle(addr, channel, s_grpc.SchedulerServiceStub(channel), server, registry)
+    finally:
+        await channel.close()
+        if server is not None:
+            await stop_scheduler(server)
+
+
+async def register(
+    reg: RegistryHandle, wid: str, report: c.LoadReport | None = None, **kw: Any
+) -> str:
+    """Registers a worker (and sends one load report); returns its credential."""
+    resp = await reg.stub.RegisterWorker(
+        r.RegisterWorkerRequest(capability=capability(wid, **kw), lease_ttl_ms=60_000), timeout=5
+    )
+    if report is not None:
+        await reg.stub.Heartbeat(
+            r.HeartbeatRequest(worker_id=wid, credential=resp.credential, load=report), timeout=5
+        )
+    return str(resp.credential)
+
+
+async def status_of(awaitable: Any) -> tuple[grpc.StatusCode, Any]:
+    try:
+        return grpc.StatusCode.OK, await awaitable
+    except grpc.aio.AioRpcError as exc:
+        return exc.code(), exc
+
+
+def sched(rid: str, prompt: int = 1000, output: int = 200, **kw: Any) -> s.ScheduleRequest:
+    return s.ScheduleRequest(
+        request_id=rid,
+        model_id=kw.pop("model", "llama-3-8b"),
+        prompt_tokens=prompt,
+        expected_output_tokens=output,
+        **kw,
+    )
+
+
+IDLE = load(queue=0, batch=4, free=900, total=1000)
+
+
+async def hetero_fleet(h: SchedulerHandle) -> list[str]:
+    """H100 and L4 prefill pools, H200 and L40S decode pools, all in one rack."""
+    p = h.registry.prefix
+    spec = [
+        (f"{p}-h100-p{i}", "h100-prefill", (c.STAGE_PREFILL,), "H100-SXM") for i in range(2)
+    ] + [
+        (f"{p}-l4-p{i}", "l4-prefill", (c.STAGE_PREFILL,), "L4") for i in range(2)
+    ] + [
+        (f"{p}-h200-d{i}", "h200-decode", (c.STAGE_DECODE,), "H200") for i in range(2)
+    ] + [
+        (f"{p}-l40s-d{i}", "l40s-decode", (c.STAGE_DECODE,), "L40S") for i in range(2)
+    ]  # fmt: skip
+    for wid, pool, stages, gpu in spec:
+        await register(h.registry, wid, IDLE, pool_id=pool, stages=stages, gpu=gpu, kv_gib=40)
+    ids = [w for w, *_ in spec]
+    await h.settle(ids)
+    return ids
+
+
+async def test_prefill_heavy_goes_to_the_compute_rich_pool(scheduler: SchedulerHandle) -> None:
+    await hetero_fleet(scheduler)
+    resp = await scheduler.stub.Schedule(sched("pf-1", prompt=8000, output=64), timeout=5)
+    plan = resp.plan
+    assert plan.resource_need == s.RESOURCE_NEED_PREFILL
+    assert plan.mode == s.EXECUTION_MODE_TRANSFER
+    assert plan.prefill_pool_id == "h100-prefill"
+    assert plan.estimates.transfer_ms > 0 and plan.estimates.ttft_ms > plan.estimates.prefill_ms
+    assert plan.fallbacks[0].reason == "kv_transfer_failed"
+    assert plan.fallbacks[0].mode == s.EXECUTION_MODE_RECOMPUTE
+    assert plan.route_record_id == "pf-1" and plan.reserved_kv_bytes == (8000 + 64) * 128 * 1024
+
+
+async def test_decode_heavy_goes_to_the_bandwidth_rich_pool(scheduler: SchedulerHandle) -> None:
+    await hetero_fleet(scheduler)
+    resp = await scheduler.stub.Schedule(sched("dc-1", prompt=300, output=3000), timeout=5)
+    assert resp.plan.resource_need == s.RESOURCE_NEED_DECODE
+    assert resp.plan.decode_pool_id == "h200-decode"
+
+
+async def test_slow_link_means_recompute(scheduler: SchedulerHandle) -> None:
+    p = scheduler.registry.prefix
+    ids = [f"{p}-pre", f"{p}-dec"]
+    await register(scheduler.registry, ids[0], IDLE, pool_id="far-prefill", zone="z1")
+    await register(
+        scheduler.registry, ids[1], IDLE, pool_id="near-decode", stages=(c.STAGE_DECODE,),
+        zone="z2",
+    )  # fmt: skip
+    await scheduler.settle(ids)
+    # 4,000 prompt tokens = 500 MiB of KV over a 25 Gb/s cross-zone link: ~170 ms, while the
+    # H100 decode worker recomputes the prompt in well under that
+    resp = await scheduler.stub.Schedule(sched("slow-1", prompt=4000, output=100), timeout=5)
+    assert resp.plan.mode == s.EXECUTION_MODE_RECOMPUTE
+    assert resp.plan.prefill_worker_id == resp.plan.decode_worker_id == ids[1]
+
+
+async def test_inconvertible_kv_means_recompute_and_the_record_says_why(
+    scheduler: SchedulerHandle,
+) -> None:
+    p = scheduler.registry.prefix
+    ids = [f"{p}-pre", f"{p}-dec"]
+    await register(scheduler.registry, ids[0], IDLE, pool_id="bf16-prefill")
+    await register(
+        scheduler.registry, ids[1], IDLE, pool_id="fp8-decode", stages=(c.STAGE_DECODE,),
+        dtype=c.KV_DTYPE_FP8_E4M3,
+    )  # fmt: skip
+    await scheduler.settle(ids)
+    resp = await scheduler.stub.Schedule(sched("kv-1", prompt=8000, output=64), timeout=5)
+    assert resp.plan.mode == s.EXECUTION_MODE_RECOMPUTE
+    assert resp.plan.decode_worker_id == ids[1]
+
+
+async def test_layout_mismatch_pays_a_conversion_or_recomputes(
+    scheduler: SchedulerHandle,
+) -> None:
+    """Our shared KV rules convert between paged layouts (at a cost), so a layout mismatch
+    is a conversion priced into the hand-off, never a silent direct transfer."""
+    p = scheduler.registry.prefix
+    ids = [f"{p}-pre", f"{p}-dec"]
+    await register(scheduler.registry, ids[0], IDLE, pool_id="nhd-prefill")
+    await register(
+        scheduler.registry, ids[1], IDLE, pool_id="hnd-decode", stages=(c.STAGE_DECODE,),
+        layout=c.KV_LAYOUT_PAGED_HND,
+    )  # fmt: skip
+    await scheduler.settle(ids)
+    plan = (await scheduler.stub.Schedule(sched("lay-1", prompt=8000, output=64), timeout=5)).plan
+    if plan.mode == s.EXECUTION_MODE_TRANSFER:
+        assert plan.estimates.conversion_ms > 0
+    else:
+        assert plan.mode == s.EXECUTION_MODE_RECOMPUTE
+
+
+async def test_unhealthy_preferred_pool_means_reroute(scheduler: SchedulerHandle) -> None:
+    ids = await hetero_fleet(scheduler)
+    reg = scheduler.registry
+    for wid in ids:
+        if "h200" in wid:
+            await reg.stub.CordonWorker(r.CordonWorkerRequest(worker_id=wid, reason="gpu xid"))
+    await scheduler.settle(ids)
+    resp = await scheduler.stub.Schedule(
+        sched("rr-1", prompt=300, output=3000, preferred_pool="h200-decode"), timeout=5
+    )
+    assert resp.plan.decision == s.ROUTE_DECISION_REROUTE
+    assert resp.plan.decode_pool_id == "l40s-decode"
+    await asyncio.sleep(0.3)  # the explanation is written just after the plan
+    rec = (await scheduler.stub.GetRouteRecord(s.GetRouteRecordRequest(request_id="rr-1"))).record
+    assert rec.summary["route_decision"] == "reroute"
+    pools = json.loads(json.dumps(dict(rec.explanation["rejected_pools"])))  # Struct -> plain
+    assert "h200-decode" in pools and "cordoned" in pools["h200-decode"]
+
+
+@pytest.mark.parametrize(
+    ("model", "cordon"),
+    [
+        pytest.param("no-such-model", False, id="model-missing"),
+        pytest.param("llama-3-8b", True, id="every-worker-cordoned"),
+    ],
+)
+async def test_nothing_executable_is_rejected_with_failed_precondition(
+    scheduler: SchedulerHandle, model: str, cordon: bool
+) -> None:
+    ids = await hetero_fleet(scheduler)
+    if cordon:
+        for wid in ids:
+            await scheduler.registry.stub.CordonWorker(r.CordonWorkerRequest(worker_id=wid))
+        await scheduler.settle(ids)
+    code, _ = await status_of(scheduler.stub.Schedule(sched("rej-1", model=model), timeout=5))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    rec = (await scheduler.stub.GetRouteRecord(s.GetRouteRecordRequest(request_id="rej-1"))).record
+    assert rec.decision == s.ROUTE_DECISION_REJECT and rec.reject_class == "no_capable_worker"
+
+
+async def test_schedule_is_idempotent_per_request_id(scheduler: SchedulerHandle) -> None:
+    await hetero_fleet(scheduler)
+    first = await scheduler.stub.Schedule(sched("idem-1"), timeout=5)
+    again = await scheduler.stub.Schedule(sched("idem-1", prompt=5, output=5), timeout=5)
+    assert not first.replayed and again.replayed
+    assert again.plan == first.plan
+    svc = scheduler.service
+    if svc is not None:
+        assert await svc.store.reservation_count() == 1
+
+
+async def test_outcome_releases_and_feeds_the_estimates(scheduler: SchedulerHandle) -> None:
+    await hetero_fleet(scheduler)
+    plan = (await scheduler.stub.Schedule(sched("oc-1", prompt=2000), timeout=5)).plan
+    out = await scheduler.stub.ReportOutcome(
+        s.ReportOutcomeRequest(request_id="oc-1", success=True, ttft_ms=150, tpot_ms=30,
+                               prefill_ms=100),
+        timeout=5,
+    )  # fmt: skip
+    assert out.released and out.first_report
+    again = await scheduler.stub.ReportOutcome(
+        s.ReportOutcomeRequest(request_id="oc-1", success=True, ttft_ms=999), timeout=5
+    )
+    assert not again.released and not again.first_report
+    rec = (await scheduler.stub.GetRouteRecord(s.GetRouteRecordRequest(request_id="oc-1"))).record
+    assert rec.outcome.success and rec.outcome.ttft_ms == 150
+    recs = await scheduler.stub.GetRecommendations(s.GetRecommendationsRequest(), timeout=5)
+    by_id = {w.worker_id: w for w in recs.workers}
+    prefiller = plan.prefill_worker_id
+    assert by_id[prefiller].prefill_tokens_per_s == pytest.approx(2000 / 0.1)
+    assert by_id[plan.decode_worker_id].itl_ms == pytest.approx(30)
+    code, _ = await status_of(
+        scheduler.stub.ReportOutcome(s.ReportOutcomeRequest(request_id="never", success=True))
+    )
+    assert code == grpc.StatusCode.NOT_FOUND
+
+
+async def test_list_route_records_filters_and_pages(scheduler: SchedulerHandle) -> None:
+    await hetero_fleet(scheduler)
+    for i in range(7):
+        tier = "batch" if i % 2 else "interactive"
+        await scheduler.stub.Schedule(sched(f"ls-{i}", tier=tier), timeout=5)
+    seen: list[str] = []
+    token = ""
+    while True:
+        page = await scheduler.stub.ListRouteRecords(
+            s.ListRouteRecordsRequest(tier="batch", page_size=2, page_token=token), timeout=5
+        )
+        seen += [x.request_id for x in page.records]
+        token = page.next_page_token
+        if not token:
+            break
+    assert seen == ["ls-5", "ls-3", "ls-1"]
+    code, _ = await status_of(
+        scheduler.stub.ListRouteRecords(s.ListRouteRecordsRequest(page_token="nonsense"))
+    )
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_policy_reload_refuses_a_bad_profile_and_keeps_the_old(
+    scheduler: SchedulerHandle,
+) -> None:
+    before = (await scheduler.stub.GetPolicy(s.GetPolicyRequest(), timeout=5)).policy
+    bad = before.source_yaml.replace("weight: 0.35", "weight: -1", 1)
+    code, exc = await status_of(
+        scheduler.stub.ReloadPolicy(s.ReloadPolicyRequest(profile_yaml=bad), timeout=5)
+    )
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "decode.scorers[0].weight" in exc.details()
+    after = (await scheduler.stub.GetPolicy(s.GetPolicyRequest(), timeout=5)).policy
+    assert after.generation == before.generation
+    ok = await scheduler.stub.ReloadPolicy(s.ReloadPolicyRequest(builtin_profile="seed"))
+    assert ok.applied and ok.policy.profile == "seed"
+    assert ok.policy.generation == before.generation + 1
+
+
+async def test_saturated_tier_is_resource_exhausted_with_a_retry_delay(
+    scheduler: SchedulerHandle,
+) -> None:
+    p = scheduler.registry.prefix
+    wid = f"{p}-full"
+    await register(
+        scheduler.registry, wid, load(free=20, total=1000), pool_id="tiny",
+        stages=(c.STAGE_PREFILL, c.STAGE_DECODE),
+    )  # fmt: skip
+    await scheduler.settle([wid])
+    code, exc = await status_of(scheduler.stub.Schedule(sched("sat-1", tier="batch"), timeout=5))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    trailers = dict(exc.trailing_metadata() or ())
+    assert int(trailers["retry-after-ms"]) > 0
+
+
+async def test_health_serves_once_the_view_is_fresh(scheduler: SchedulerHandle) -> None:
+    stub = health_pb2_grpc.HealthStub(scheduler.channel)
+    deadline = time.monotonic() + 5
+    status = None
+    while time.monotonic() < deadline:
+        resp = await stub.Check(
+            health_pb2.HealthCheckRequest(service="hetero_pd.v1.SchedulerService")
+        )
+        status = resp.status
+        if status == health_pb2.HealthCheckResponse.SERVING:
+            break
+        await asyncio.sleep(0.05)
+    assert status == health_pb2.HealthCheckResponse.SERVING

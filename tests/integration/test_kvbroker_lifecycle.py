@@ -1,0 +1,192 @@
+"""The broker among failures: a worker's lease expiring mid-transfer, a broker restart,
+Redis going away and coming back."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from hetero_pd.v1 import common_pb2 as c
+from hetero_pd.v1 import kvbroker_pb2 as k
+from hetero_pd.v1 import registry_pb2_grpc as r_grpc
+from hpd_common.embedded_redis import EmbeddedRedis
+from hpd_kvbroker.api import SERVICE_NAME
+from tests.conftest import RegistryHandle, start_registry
+from tests.unit.kvbroker.harness import (
+    GIB,
+    BrokerHandle,
+    caller,
+    open_request,
+    register,
+    start_broker,
+)
+
+pytestmark = pytest.mark.integration
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not await check():
+        assert asyncio.get_running_loop().time() < deadline, "condition never held"
+        await asyncio.sleep(0.05)
+
+
+async def watch_until_terminal(broker: BrokerHandle, sid: str) -> list[k.KvSession]:
+    seen = []
+    async for msg in broker.stub.WatchSession(k.WatchSessionRequest(session_id=sid), timeout=10):
+        seen.append(msg.session)
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("via", "reasons"),
+    [
+        pytest.param("feed", {"worker_lease_expired: p1"}, id="registry-feed"),
+        pytest.param(
+            "sweeper", {"worker_lease_expired: p1", "worker_gone: p1"}, id="sweeper-safety-net"
+        ),
+    ],
+)
+async def test_a_lease_expiring_mid_transfer_fails_the_session_and_watchers_see_it(
+    redis_server: EmbeddedRedis,
+    registry: RegistryHandle,
+    key_prefix: str,
+    via: str,
+    reasons: set[str],
+) -> None:
+    """feed: the broker follows the registry's WatchWorkers (its own sweeper idle), so the
+    registry's DELETE with reason lease_expired fails the session. sweeper: no feed; the
+    sweeper finds the worker's registry lease gone."""
+    options = (
+        {"registry_target": registry.target, "sweep_interval_ms": 60_000}
+        if via == "feed"
+        else {"sweep_interval_ms": 50}
+    )
+    broker = await start_broker(redis_server.url, key_prefix, **options)
+    try:
+        p1 = await register(registry.stub, "p1", lease_ttl_ms=400)
+        d1 = await register(registry.stub, "d1", lease_ttl_ms=30_000, stages=(c.STAGE_DECODE,))
+        opened = await broker.stub.OpenSession(
+            open_request("req-1", who=caller("p1", p1), lease_ttl_ms=10_000), timeout=5
+        )
+        sid = opened.session.session_id
+        await broker.stub.ReportProgress(
+            k.ReportProgressRequest(session_id=sid, caller=caller("p1", p1), bytes_done=GIB // 3),
+            timeout=5,
+        )
+        seen = await watch_until_terminal(broker, sid)
+        assert [s.state for s in seen] == [k.SESSION_STATE_TRANSFERRING, k.SESSION_STATE_FAILED]
+        assert seen[-1].reason in reasons
+        assert (seen[-1].bytes_done, seen[-1].updated_by) == (GIB // 3, "broker")
+        late = broker.stub.CompleteSession(
+            k.CompleteSessionRequest(session_id=sid, caller=caller("d1", d1)), timeout=5
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await late
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    finally:
+        await broker.close()
+
+
+async def test_a_restarted_broker_continues_open_sessions(
+    redis_server: EmbeddedRedis, registry: RegistryHandle, key_prefix: str
+) -> None:
+    p1 = await register(registry.stub, "p1", lease_ttl_ms=30_000)
+    d1 = await register(registry.stub, "d1", lease_ttl_ms=30_000, stages=(c.STAGE_DECODE,))
+    first = await start_broker(redis_server.url, key_prefix, registry_target=registry.target)
+    opened = await first.stub.OpenSession(open_request("req-1", who=caller("p1", p1)), timeout=5)
+    sid = opened.session.session_id
+    await first.stub.ReportProgress(
+        k.ReportProgressRequest(session_id=sid, caller=caller("p1", p1), bytes_done=100), timeout=5
+    )
+    await first.close()  # stopped with the session in flight
+
+    second = await start_broker(redis_server.url, key_prefix, registry_target=registry.target)
+    try:
+        again = await second.stub.OpenSession(
+            open_request("req-1", who=caller("d1", d1)), timeout=5
+        )
+        assert (again.created, again.session.state, again.session.bytes_done) == (
+            False,
+            k.SESSION_STATE_TRANSFERRING,
+            100,
+        )
+        watch = asyncio.create_task(watch_until_terminal(second, sid))
+        await second.stub.ReportProgress(
+            k.ReportProgressRequest(session_id=sid, caller=caller("p1", p1), bytes_done=GIB),
+            timeout=5,
+        )
+        await second.stub.CompleteSession(
+            k.CompleteSessionRequest(session_id=sid, caller=caller("d1", d1)), timeout=5
+        )
+        seen = await watch
+        assert [(s.state, s.version) for s in seen][-1] == (k.SESSION_STATE_COMPLETE, 4)
+    finally:
+        await second.close()
+
+
+async def test_redis_down_unavailable_not_serving_then_recovery(tmp_path: Path) -> None:
+    redis = EmbeddedRedis(tmp_path / "redis", persist=True).start()
+    registry = await start_registry(redis.url, "hpd")
+    reg_channel = grpc.aio.insecure_channel(f"127.0.0.1:{registry.port}")
+    broker = await start_broker(redis.url, "hpd")
+    health = health_pb2_grpc.HealthStub(broker.channel)
+
+    async def status() -> int:
+        resp = await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=2)
+        return int(resp.status)
+
+    try:
+        reg_stub = r_grpc.RegistryServiceStub(reg_channel)
+        p1 = await register(reg_stub, "p1", lease_ttl_ms=60_000)
+        await register(reg_stub, "d1", lease_ttl_ms=60_000, stages=(c.STAGE_DECODE,))
+        opened = await broker.stub.OpenSession(
+            open_request("req-1", who=caller("p1", p1), deadline_ms=60_000, lease_ttl_ms=60_000),
+            timeout=5,
+        )
+        sid = opened.session.session_id
+        acked = await broker.stub.ReportProgress(
+            k.ReportProgressRequest(session_id=sid, caller=caller("p1", p1), bytes_done=7),
+            timeout=5,
+        )
+        await eventually(lambda: _is(status, health_pb2.HealthCheckResponse.SERVING))
+
+        redis.stop()
+        for call in (
+            broker.stub.GetSession(k.GetSessionRequest(session_id=sid), timeout=5),
+            broker.stub.OpenSession(open_request("req-2", who=caller("p1", p1)), timeout=5),
+            broker.stub.ReportProgress(
+                k.ReportProgressRequest(session_id=sid, caller=caller("p1", p1), bytes_done=8),
+                timeout=5,
+            ),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        await eventually(lambda: _is(status, health_pb2.HealthCheckResponse.NOT_SERVING))
+
+        redis.start()
+        await eventually(lambda: _is(status, health_pb2.HealthCheckResponse.SERVING))
+        got = await broker.stub.GetSession(k.GetSessionRequest(session_id=sid), timeout=5)
+        assert got.session == acked.session  # nothing acknowledged was lost
+        more = await broker.stub.ReportProgress(
+            k.ReportProgressRequest(session_id=sid, caller=caller("p1", p1), bytes_done=9),
+            timeout=5,
+        )
+        assert (more.session.bytes_done, more.session.version) == (9, acked.session.version + 1)
+    finally:
+        await broker.close()
+        await reg_channel.close()
+        await registry.stop(0)
+        if registry.redis is not None:
+            await registry.redis.aclose()
+        redis.stop()
+
+
+async def _is(status: Callable[[], Awaitable[int]], want: int) -> bool:
+    return await status() == want

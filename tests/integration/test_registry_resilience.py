@@ -1,0 +1,159 @@
+"""The registry as a process: SIGKILL and restart on the same Redis; Redis stopped and back."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from hetero_pd.v1 import registry_pb2 as r
+from hetero_pd.v1 import registry_pb2_grpc as r_grpc
+from hpd_common.embedded_redis import EmbeddedRedis, free_port
+from tests.conftest import external
+from tests.support.fleet import capability
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(external("registry") is not None, reason="starts its own processes"),
+]
+
+
+def start_process(redis_url: str, port: int, prefix: str) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "HPD_REDIS_URL": redis_url, "HPD_PORT": str(port),
+           "HPD_KEY_PREFIX": prefix, "HPD_LOG_LEVEL": "warning", "HPD_SWEEP_INTERVAL_MS": "100",
+           "HPD_BOOKMARK_INTERVAL_MS": "200"}
+    return subprocess.Popen([sys.executable, "-m", "hpd_registry"], env=env)
+
+
+async def wait_serving(target: str, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with grpc.aio.insecure_channel(target) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while time.monotonic() < deadline:
+            try:
+                resp = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            await asyncio.sleep(0.1)
+    raise TimeoutError(f"{target} not SERVING within {timeout_s}s")
+
+
+@pytest.fixture
+def registry_process(redis_server: EmbeddedRedis, key_prefix: str) -> Iterator[dict[str, object]]:
+    port = free_port()
+    state: dict[str, object] = {"port": port, "proc": start_process(redis_server.url, port,
+                                                                     key_prefix)}
+    yield state
+    proc = state["proc"]
+    assert isinstance(proc, subprocess.Popen)
+    proc.kill()
+    proc.wait()
+
+
+async def test_sigkill_and_restart_keeps_workers_and_revision(
+    registry_process: dict[str, object], redis_server: EmbeddedRedis, key_prefix: str
+) -> None:
+    port = registry_process["port"]
+    target = f"127.0.0.1:{port}"
+    await wait_serving(target)
+    async with grpc.aio.insecure_channel(target) as ch:
+        stub = r_grpc.RegistryServiceStub(ch)
+        creds = {}
+        for i in range(5):
+            resp = await stub.RegisterWorker(
+                r.RegisterWorkerRequest(capability=capability(f"{key_prefix}-{i}"),
+                                        lease_ttl_ms=60_000), timeout=5)
+            creds[resp.worker_id] = resp.credential
+        watch = stub.WatchWorkers(r.WatchWorkersRequest())
+        last = 0
+        while True:
+            ev = await asyncio.wait_for(watch.read(), 5)
+            last = max(last, ev.revision)
+            if ev.type == r.WATCH_EVENT_TYPE_SNAPSHOT_END:
+                break
+    proc = registry_process["proc"]
+    assert isinstance(proc, subprocess.Popen)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    registry_process["proc"] = start_process(redis_server.url, int(str(port)), key_prefix)
+    await wait_serving(target)
+    async with grpc.aio.insecure_channel(target) as ch:
+        stub = r_grpc.RegistryServiceStub(ch)
+        listed = await stub.ListWorkers(r.ListWorkersRequest(), timeout=5)
+        assert sorted(w.capability.worker_id for w in listed.workers) == sorted(creds)
+        assert listed.revision >= last
+        # a watcher resumes from its last revision and sees only what happened since
+        watch = stub.WatchWorkers(r.WatchWorkersRequest(from_revision=last))
+        first_id = sorted(creds)[0]
+        hb = await stub.Heartbeat(r.HeartbeatRequest(worker_id=first_id,
+                                                     credential=creds[first_id],
+                                                     load=None), timeout=5)
+        assert hb.lease_ttl_ms > 0  # credentials survived the crash
+        await stub.CordonWorker(r.CordonWorkerRequest(worker_id=first_id), timeout=5)
+        ev = await asyncio.wait_for(watch.read(), 5)
+        while ev.type == r.WATCH_EVENT_TYPE_BOOKMARK:
+            ev = await asyncio.wait_for(watch.read(), 5)
+        assert ev.type == r.WATCH_EVENT_TYPE_PUT and ev.worker_id == first_id
+        assert ev.revision > last
+        watch.cancel()
+
+
+async def test_redis_outage_unavailable_then_recovers(tmp_path: Path, key_prefix: str) -> None:
+    redis = EmbeddedRedis(tmp_path / "r", persist=True).start()
+    port = free_port()
+    proc = start_process(redis.url, port, key_prefix)
+    target = f"127.0.0.1:{port}"
+    try:
+        await wait_serving(target)
+        async with grpc.aio.insecure_channel(target) as ch:
+            stub = r_grpc.RegistryServiceStub(ch)
+            health = health_pb2_grpc.HealthStub(ch)
+            acked = await stub.RegisterWorker(
+                r.RegisterWorkerRequest(capability=capability(key_prefix + "-kept"),
+                                        lease_ttl_ms=120_000), timeout=5)
+            await asyncio.sleep(1.2)  # AOF fsync is every second
+            redis.stop()
+            deadline = time.monotonic() + 10
+            status = None
+            while time.monotonic() < deadline:
+                status = (await health.Check(health_pb2.HealthCheckRequest(), timeout=2)).status
+                if status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                    break
+                await asyncio.sleep(0.1)
+            assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+            for call in (
+                stub.GetWorker(r.GetWorkerRequest(worker_id=acked.worker_id), timeout=4),
+                stub.RegisterWorker(r.RegisterWorkerRequest(
+                    capability=capability(key_prefix + "-new")), timeout=4),
+                stub.ListWorkers(r.ListWorkersRequest(), timeout=4),
+            ):
+                started = time.monotonic()
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await call
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+                assert time.monotonic() - started < 4  # answered, not a hang to the deadline
+            redis.start()
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline:
+                status = (await health.Check(health_pb2.HealthCheckRequest(), timeout=2)).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    break
+                await asyncio.sleep(0.1)
+            assert status == health_pb2.HealthCheckResponse.SERVING
+            got = await stub.GetWorker(r.GetWorkerRequest(worker_id=acked.worker_id), timeout=5)
+            assert got.worker.capability.worker_id == acked.worker_id
+    finally:
+        proc.kill()
+        proc.wait()
+        redis.stop()

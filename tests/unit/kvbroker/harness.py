@@ -1,0 +1,105 @@
+"""Helpers shared by the KV broker's tests: a broker on port 0, registered workers, calls.
+
+Component and integration tests start a broker over the suite's private Redis, beside
+the `registry` fixture's registry (same key prefix), and talk to both through stubs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from hetero_pd.v1 import kvbroker_pb2 as k
+from hetero_pd.v1 import kvbroker_pb2_grpc as k_grpc
+from hetero_pd.v1 import registry_pb2 as r
+from hpd_common import redis_conn
+from hpd_common.clock import Clock
+from hpd_common.server import GrpcServer
+from hpd_kvbroker.__main__ import build_server
+from hpd_kvbroker.api import KvBrokerComponent
+from hpd_kvbroker.service import KvBrokerService, KvBrokerSettings
+from tests.support.fleet import capability
+
+GIB = 1 << 30
+
+
+@dataclass
+class BrokerHandle:
+    server: GrpcServer
+    channel: grpc.aio.Channel
+    stub: Any
+    service: KvBrokerService
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.server.port}"
+
+    async def close(self) -> None:
+        await self.channel.close()
+        await self.server.stop(0)
+        if self.server.redis is not None:
+            await self.server.redis.aclose()
+
+
+def broker_settings(redis_url: str, prefix: str, **overrides: Any) -> KvBrokerSettings:
+    values: dict[str, Any] = {
+        "port": 0,
+        "redis_url": redis_url,
+        "key_prefix": prefix,
+        "registry_key_prefix": prefix,
+        "sweep_interval_ms": 50,
+        "watch_poll_ms": 300,
+        "retention_ms": 60_000,
+    }
+    values.update(overrides)
+    return KvBrokerSettings(**values)
+
+
+async def start_broker(
+    redis_url: str, prefix: str, clock: Clock | None = None, **overrides: Any
+) -> BrokerHandle:
+    """A broker server on port 0 with its own Redis client (as a separate replica has)."""
+    server = build_server(
+        broker_settings(redis_url, prefix, **overrides), redis_conn.connect(redis_url), clock
+    )
+    server._probe_interval_s = 0.1
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    component = server.component
+    assert isinstance(component, KvBrokerComponent)
+    return BrokerHandle(server, channel, k_grpc.KvBrokerServiceStub(channel), component.service)
+
+
+async def register(registry_stub: Any, worker_id: str, lease_ttl_ms: int = 0, **cap: Any) -> str:
+    """Registers a worker with the registry; returns its credential."""
+    resp = await registry_stub.RegisterWorker(
+        r.RegisterWorkerRequest(capability=capability(worker_id, **cap), lease_ttl_ms=lease_ttl_ms),
+        timeout=5,
+    )
+    return str(resp.credential)
+
+
+def caller(worker_id: str, credential: str) -> k.SessionCaller:
+    return k.SessionCaller(worker_id=worker_id, credential=credential)
+
+
+def open_request(
+    request_id: str,
+    src: str = "p1",
+    dst: str = "d1",
+    who: k.SessionCaller | None = None,
+    expected: int = GIB,
+    deadline_ms: int = 10_000,
+    lease_ttl_ms: int = 5_000,
+) -> k.OpenSessionRequest:
+    return k.OpenSessionRequest(
+        request_id=request_id,
+        source_worker_id=src,
+        destination_worker_id=dst,
+        expected_bytes=expected,
+        deadline_ms=deadline_ms,
+        lease_ttl_ms=lease_ttl_ms,
+        caller=who,
+    )

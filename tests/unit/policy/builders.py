@@ -1,0 +1,85 @@
+"""Small builders for worker views and fleets used by the policy tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hpd_common.kvformat import KvDtype, KvLayout
+from hpd_common.perfmodel import model_spec
+from hpd_scheduler.policy import (
+    Health,
+    LoadReport,
+    NetworkLocation,
+    Request,
+    Stage,
+    WorkerView,
+)
+
+GIB = 1 << 30
+NOW = 1000.0
+MODEL = "llama-3-8b"
+
+
+def worker(
+    worker_id: str,
+    stage: Stage = Stage.DECODE,
+    *,
+    pool: str | None = None,
+    gpu: str = "H100-SXM",
+    tp: int = 1,
+    dtype: KvDtype = KvDtype.BF16,
+    layout: KvLayout = KvLayout.PAGED_NHD,
+    kv_total_gib: float = 40.0,
+    kv_free_gib: float = 30.0,
+    queue: int = 0,
+    batch: int = 0,
+    itl_p50_ms: float = 0.0,
+    prefill_tps: float = 0.0,
+    reported_at: float | None = NOW,
+    health: Health = Health.HEALTHY,
+    zone: str = "z1",
+    rack: str = "r1",
+    host: str | None = None,
+    nic_gbps: float = 400.0,
+    revision: str = MODEL,
+    **extra: Any,
+) -> WorkerView:
+    """A worker serving llama-3-8b with sensible defaults."""
+    load = None
+    if reported_at is not None:
+        load = LoadReport(
+            reported_at_s=reported_at,
+            queue_depth=queue,
+            max_queue_depth=64,
+            batch_size=batch,
+            itl_p50_ms=itl_p50_ms,
+            prefill_tokens_per_s=prefill_tps,
+        )
+    return WorkerView(
+        worker_id=worker_id,
+        pool_id=pool or f"pool-{worker_id}",
+        stage=stage,
+        model_id=MODEL,
+        kv_format=model_spec(MODEL).kv_format(dtype=dtype, layout=layout, tp_size=tp),
+        endpoint=f"{worker_id}:8000",
+        model_revision=revision,
+        gpu_profile=gpu,
+        gpu_count=tp,
+        tp_size=tp,
+        kv_total_bytes=int(kv_total_gib * GIB),
+        kv_available_bytes=int(kv_free_gib * GIB),
+        max_batch_size=256,
+        location=NetworkLocation(
+            zone=zone, rack=rack, host=host or f"host-{worker_id}", nic_gbps=nic_gbps
+        ),
+        health=health,
+        load=load,
+        **extra,
+    )
+
+
+def request(
+    prompt: int = 3000, output: int = 128, tier: str = "standard", rid: str = "r1", **extra: Any
+) -> Request:
+    """A llama-3-8b request."""
+    return Request(rid, MODEL, prompt, output, tier, **extra)

@@ -1,0 +1,272 @@
+"""The framework: plugin registry, profiles from YAML, config errors naming the key path."""
+
+from __future__ import annotations
+
+import random
+from typing import Any, ClassVar
+
+import pytest
+import yaml
+
+from hpd_scheduler.policy import (
+    REGISTRY,
+    ConfigError,
+    Fleet,
+    Planner,
+    PluginRegistry,
+    ResourceNeed,
+    Role,
+    Scorer,
+    Stage,
+    builtin_profile,
+    builtin_profile_names,
+    load_profile,
+    parse_profile,
+)
+from hpd_scheduler.policy.framework import Candidate, RequestContext
+from hpd_scheduler.policy.plugins import DecodeMemoryFilter, MaxScorePicker
+
+from .builders import NOW, request, worker
+
+BASE = """
+profile: t
+plugins:
+  - {name: gate, type: execution-gate-filter}
+  - {name: mem, type: decode-memory-filter, params: {headroom: 1.5}}
+  - {name: load, type: work-load-scorer}
+  - {name: itl, type: tier-itl-scorer}
+  - {name: best, type: max-score-picker}
+picker: best
+prefill: {filters: [gate], scorers: [{plugin: load, weight: 1.0}]}
+decode: {filters: [gate, mem], scorers: [{plugin: itl, weight: 0.5}, {plugin: load, weight: 0.5}]}
+"""
+
+
+def _doc() -> dict[str, Any]:
+    doc = yaml.safe_load(BASE)
+    assert isinstance(doc, dict)
+    return doc
+
+
+def test_minimal_profile_loads_with_params() -> None:
+    prof = load_profile(BASE)
+    assert prof.name == "t"
+    assert prof.decode.weights() == {"itl": 0.5, "load": 0.5}
+    mem = prof.decode.filters[1]
+    assert isinstance(mem, DecodeMemoryFilter)
+    assert mem.params.headroom == 1.5
+    assert isinstance(prof.picker, MaxScorePicker)
+
+
+def _mutate(path: list[Any], value: Any) -> dict[str, Any]:
+    doc = _doc()
+    node: Any = doc
+    for key in path[:-1]:
+        node = node[key]
+    if value is _DELETE:
+        del node[path[-1]]
+    else:
+        node[path[-1]] = value
+    return doc
+
+
+_DELETE = object()
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "key_path"),
+    [
+        pytest.param(
+            ["plugins", 2, "type"], "no-such-scorer", "plugins[2].type", id="unknown-type"
+        ),
+        pytest.param(["plugins", 1, "name"], "gate", "plugins[1].name", id="duplicate-name"),
+        pytest.param(
+            ["decode", "filters", 1], "missing", "decode.filters[1]", id="dangling-filter"
+        ),
+        pytest.param(
+            ["decode", "scorers", 1, "plugin"],
+            "nope",
+            "decode.scorers[1].plugin",
+            id="dangling-scorer",
+        ),
+        pytest.param(
+            ["decode", "scorers", 0, "weight"], 0, "decode.scorers[0].weight", id="zero-weight"
+        ),
+        pytest.param(
+            ["decode", "scorers", 0, "weight"],
+            -0.5,
+            "decode.scorers[0].weight",
+            id="negative-weight",
+        ),
+        pytest.param(["picker"], _DELETE, "picker", id="no-picker"),
+        pytest.param(["picker"], "gate", "picker", id="picker-wrong-kind"),
+        pytest.param(
+            ["plugins", 1, "params", "headroom"],
+            0.5,
+            "plugins[1].params.headroom",
+            id="param-out-of-range",
+        ),
+        pytest.param(
+            ["plugins", 1, "params", "headroom"],
+            "big",
+            "plugins[1].params.headroom",
+            id="param-wrong-type",
+        ),
+        pytest.param(
+            ["plugins", 1, "params", "bogus"], 1, "plugins[1].params.bogus", id="unknown-param"
+        ),
+        pytest.param(
+            ["prefill", "scorers", 0, "plugin"],
+            "itl",
+            "prefill.scorers[0].plugin",
+            id="decode-only-scorer-on-prefill",
+        ),
+        pytest.param(["pairing"], "sideways", "pairing", id="bad-pairing"),
+        pytest.param(["surprise"], 1, "surprise", id="unknown-top-level-key"),
+        pytest.param(["prefill", "scorers"], [], "prefill.scorers", id="no-scorers"),
+    ],
+)
+def test_bad_config_names_the_key(path: list[Any], value: Any, key_path: str) -> None:
+    doc = _mutate(path, value)
+    with pytest.raises(ConfigError) as info:
+        parse_profile(doc)
+    assert info.value.key_path == key_path
+    assert isinstance(info.value, ValueError)
+
+
+def test_bad_tier_names_the_key() -> None:
+    doc = _doc()
+    doc["tiers"] = {"classes": {"gold": {"ttft_ms": 0, "tpot_ms": 10, "queue_budget_ms": 10}}}
+    with pytest.raises(ConfigError) as info:
+        parse_profile(doc)
+    assert info.value.key_path == "tiers.classes.gold.ttft_ms"
+
+
+def test_invalid_yaml_is_a_config_error() -> None:
+    with pytest.raises(ConfigError):
+        load_profile("profile: [unclosed\n")
+
+
+def test_registry_refuses_duplicates_and_bad_names() -> None:
+    reg = PluginRegistry()
+
+    class A(Scorer):
+        type_name: ClassVar[str] = "a-scorer"
+
+    class B(Scorer):
+        type_name: ClassVar[str] = "a-scorer"
+
+    class C(Scorer):
+        type_name: ClassVar[str] = "NotKebab"
+
+    reg.register(A)
+    with pytest.raises(ConfigError, match="duplicate"):
+        reg.register(B)
+    with pytest.raises(ConfigError, match="kebab"):
+        reg.register(C)
+    assert reg.names() == ["a-scorer"]
+
+
+def test_every_builtin_type_is_kebab_case_and_documented() -> None:
+    for name in REGISTRY.names():
+        cls = REGISTRY.get(name, "t")
+        assert cls.__doc__, name
+        assert name.endswith(("-filter", "-scorer", "-picker")), name
+
+
+@pytest.mark.parametrize("name", builtin_profile_names())
+def test_builtin_profiles_load_and_plan(name: str) -> None:
+    prof = builtin_profile(name)
+    assert prof.name == name
+    fleet = Fleet.build(
+        [
+            worker("p", Stage.PREFILL),
+            worker("d", Stage.DECODE),
+            worker("b", Stage.BOTH),
+        ],
+        NOW,
+    )
+    decision = Planner(prof).plan(request(), fleet, NOW, random.Random(0))
+    assert decision.plan is not None
+
+
+def test_unknown_builtin_profile() -> None:
+    with pytest.raises(ConfigError):
+        builtin_profile("nope")
+
+
+def test_filter_reports_a_reason_per_dropped_worker() -> None:
+    prof = builtin_profile("default")
+    fleet = Fleet.build([worker("full", kv_free_gib=0.01), worker("roomy")], NOW)
+    index = fleet.index("llama-3-8b", Role.DECODE)
+    assert index is not None
+    ctx = RequestContext(
+        request(), prof.tier("standard"), ResourceNeed.PREFILL, NOW, fleet, None, index
+    )
+    mem = next(f for f in prof.decode.filters if isinstance(f, DecodeMemoryFilter))
+    result = mem.filter(index.workers, Role.DECODE, ctx)
+    assert [w.worker_id for w in result.kept] == ["roomy"]
+    assert result.dropped == {"full": "insufficient_memory"}
+    assert isinstance(Candidate(index.workers[0], Role.DECODE, request(), 1024).score, float)
+
+
+def _baseline_fleet() -> Fleet:
+    return Fleet.build(
+        [worker("p", Stage.PREFILL, rack="r1")]
+        + [worker(f"d{i}", rack="r1", queue=i) for i in range(4)]
+        + [worker("l4-idle", rack="r1", gpu="L4", queue=0, kv_free_gib=39.0)],
+        NOW,
+    )
+
+
+def test_round_robin_rotates_over_decode_workers() -> None:
+    fleet = _baseline_fleet()
+    planner = Planner(builtin_profile("round_robin"))
+    chosen = []
+    for i in range(5):
+        d = planner.plan(request(rid=f"r{i}"), fleet, NOW, random.Random(i))
+        assert d.plan is not None
+        chosen.append(d.plan.decode_worker_id)
+    assert sorted(chosen) == ["d0", "d1", "d2", "d3", "l4-idle"]
+
+
+def test_random_profile_is_reproducible_per_seed() -> None:
+    fleet = _baseline_fleet()
+    planner = Planner(builtin_profile("random"))
+
+    def run(seed: int) -> list[str]:
+        rng = random.Random(seed)
+        out = []
+        for i in range(20):
+            d = planner.plan(request(rid=f"r{i}"), fleet, NOW, rng)
+            assert d.plan is not None
+            out.append(d.plan.decode_worker_id)
+        return out
+
+    assert run(1) == run(1)
+    assert len(set(run(1))) > 1
+
+
+def test_least_loaded_is_capacity_blind() -> None:
+    fleet = Fleet.build(
+        [
+            worker("p", Stage.PREFILL, rack="r1"),
+            worker("h200", gpu="H200", queue=2, kv_free_gib=30.0, rack="r1"),
+            worker("l4", gpu="L4", queue=0, kv_free_gib=30.0, rack="r1"),
+        ],
+        NOW,
+    )
+    blind = Planner(builtin_profile("least_loaded")).plan(request(), fleet, NOW, random.Random(0))
+    ours = Planner(builtin_profile("default")).plan(request(), fleet, NOW, random.Random(0))
+    assert blind.plan is not None and blind.plan.decode_worker_id == "l4"
+    assert ours.plan is not None and ours.plan.decode_worker_id == "h200"
+
+
+def test_colocated_profile_keeps_both_stages_on_one_worker() -> None:
+    fleet = Fleet.build(
+        [worker("p", Stage.PREFILL), worker("d", Stage.DECODE), worker("b", Stage.BOTH)], NOW
+    )
+    d = Planner(builtin_profile("colocated")).plan(request(), fleet, NOW, random.Random(0))
+    assert d.plan is not None
+    assert d.plan.mode.value == "same_pool"
+    assert d.plan.prefill_worker_id == d.plan.decode_worker_id == "b"

@@ -1,0 +1,284 @@
+"""compose.yaml and the image, checked without running anything.
+
+Compose files are easy to get subtly wrong in ways no local test notices (a port bound
+to every interface, a Redis without persistence, a service without a health check), so
+the shipped file is read here with the same variable interpolation compose applies,
+using only the defaults written in the file. The gRPC health probe the image runs is
+checked against the real grpc.health.v1 messages and a real server.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from collections.abc import Iterator, Mapping
+from concurrent import futures
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import grpc
+import pytest
+import yaml
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+HPD_SERVICES = {"registry": 50051, "scheduler": 50052, "kvbroker": 50053}
+DEFAULT_SERVICES = {"redis", *HPD_SERVICES}
+
+_VAR = re.compile(r"\$(?:(\$)|\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?-)([^}]*))?\})")
+
+
+def interpolate(text: str, env: Mapping[str, str]) -> str:
+    """Compose's `${VAR}`, `${VAR:-default}` (unset or empty), `${VAR-default}` (unset), `$$`."""
+
+    def one(m: re.Match[str]) -> str:
+        if m.group(1):
+            return "$"
+        name, op, default = m.group(2), m.group(3), m.group(4) or ""
+        if op == ":-":
+            return env.get(name) or default
+        if op == "-":
+            return env.get(name, default)
+        return env.get(name, "")
+
+    return _VAR.sub(one, text)
+
+
+def load_compose(env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    text = interpolate((ROOT / "compose.yaml").read_text(), env or {})
+    data = yaml.safe_load(text)
+    assert isinstance(data, dict)
+    return data
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    return load_compose()
+
+
+def services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    found: dict[str, dict[str, Any]] = compose["services"]
+    return found
+
+
+def published(service: dict[str, Any]) -> Iterator[tuple[str, str, str]]:
+    """(host_ip, host_port, container_port) of each published port, short or long syntax."""
+    for port in service.get("ports", []):
+        if isinstance(port, dict):
+            yield (
+                str(port.get("host_ip", "")),
+                str(port.get("published", "")),
+                str(port["target"]),
+            )
+            continue
+        parts = str(port).split("/")[0].split(":")
+        if len(parts) == 3:
+            yield parts[0], parts[1], parts[2]
+        elif len(parts) == 2:
+            yield "", parts[0], parts[1]
+        else:
+            yield "", "", parts[0]
+
+
+@pytest.mark.parametrize(
+    ("text", "env", "expected"),
+    [
+        pytest.param("${A:-x}", {}, "x", id="unset-takes-default"),
+        pytest.param("${A:-x}", {"A": ""}, "x", id="colon-empty-takes-default"),
+        pytest.param("${A-x}", {"A": ""}, "", id="dash-empty-stays-empty"),
+        pytest.param("${A:-x}:${B}", {"A": "0.0.0.0", "B": "7"}, "0.0.0.0:7", id="set-wins"),
+        pytest.param("$${A}", {"A": "y"}, "${A}", id="dollar-escape"),
+    ],
+)
+def test_interpolation_follows_compose(text: str, env: dict[str, str], expected: str) -> None:
+    assert interpolate(text, env) == expected
+
+
+def test_default_services_and_fleet_profile(compose: dict[str, Any]) -> None:
+    default = {name for name, svc in services(compose).items() if not svc.get("profiles")}
+    assert default == DEFAULT_SERVICES
+    profiled = {
+        name: svc["profiles"] for name, svc in services(compose).items() if name not in default
+    }
+    assert profiled == {"fleet": ["fleet"], "replay": ["fleet"]}
+
+
+@pytest.mark.parametrize("name", sorted(DEFAULT_SERVICES | {"fleet", "replay"}))
+def test_every_service_has_a_health_check(compose: dict[str, Any], name: str) -> None:
+    check = services(compose)[name].get("healthcheck")
+    assert check, f"{name} has no healthcheck"
+    assert not check.get("disable", False)
+    test = check["test"]
+    assert isinstance(test, list) and test[0] in ("CMD", "CMD-SHELL") and len(test) > 1
+
+
+@pytest.mark.parametrize("name", sorted(HPD_SERVICES))
+def test_service_health_check_asks_grpc_health_on_its_own_port(
+    compose: dict[str, Any], name: str
+) -> None:
+    svc = services(compose)[name]
+    port = HPD_SERVICES[name]
+    assert svc["command"] == ["hpd", name]
+    assert svc["environment"]["HPD_PORT"] == str(port)
+    assert svc["environment"]["HPD_HOST"] == "0.0.0.0"
+    test = svc["healthcheck"]["test"]
+    assert "/usr/local/lib/hpd/grpc_health_probe.py" in test
+    assert test[test.index("--addr") + 1] == f"127.0.0.1:{port}"
+    assert svc["restart"] in ("always", "unless-stopped", "on-failure")
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        pytest.param({}, id="defaults"),
+        pytest.param({"HPD_REGISTRY_PORT": "6000", "HPD_KVBROKER_PORT": "6001"}, id="moved-ports"),
+    ],
+)
+def test_every_published_port_binds_loopback_by_default(env: dict[str, str]) -> None:
+    compose = load_compose(env)
+    seen = 0
+    for name, svc in services(compose).items():
+        for host_ip, host_port, _ in published(svc):
+            seen += 1
+            assert host_ip == "127.0.0.1", f"{name} publishes on {host_ip or 'every interface'}"
+            assert host_port, f"{name} publishes on a random port"
+    assert seen >= len(HPD_SERVICES)
+
+
+def test_bind_address_is_configurable() -> None:
+    compose = load_compose({"HPD_BIND": "0.0.0.0"})
+    ips = {ip for svc in services(compose).values() for ip, _, _ in published(svc)}
+    assert ips == {"0.0.0.0"}
+
+
+def test_each_grpc_port_is_published(compose: dict[str, Any]) -> None:
+    for name, port in HPD_SERVICES.items():
+        targets = {target for _, _, target in published(services(compose)[name])}
+        assert str(port) in targets, f"{name} does not publish {port}"
+
+
+def test_redis_is_not_published_and_never_on_6379(compose: dict[str, Any]) -> None:
+    assert not services(compose)["redis"].get("ports"), "Redis must stay inside the network"
+    for name, svc in services(compose).items():
+        for _, host_port, _ in published(svc):
+            assert host_port != "6379", f"{name} takes the host's Redis port"
+
+
+def test_redis_appends_to_a_named_volume(compose: dict[str, Any]) -> None:
+    redis = services(compose)["redis"]
+    command = [str(part) for part in redis["command"]]
+    assert command[0] == "redis-server"
+    options = dict(zip(command[1::2], command[2::2], strict=True))
+    assert options["--appendonly"] == "yes"
+    assert options["--appendfsync"] in ("always", "everysec")
+    data_dir = options["--dir"]
+    mounts = [str(v).split(":") for v in redis["volumes"]]
+    assert [m for m in mounts if m[1] == data_dir] == [["redis-data", data_dir]]
+    assert "redis-data" in compose["volumes"], "the volume must be a named (top-level) one"
+    assert redis["restart"] in ("always", "unless-stopped")
+
+
+def test_services_reach_redis_by_its_service_name(compose: dict[str, Any]) -> None:
+    for name in HPD_SERVICES:
+        svc = services(compose)[name]
+        assert svc["environment"]["HPD_REDIS_URL"] == "redis://redis:6379/0"
+        assert "redis" in svc["depends_on"]
+
+
+# ---- the image -------------------------------------------------------------------------
+
+
+def test_dockerfile_base_user_and_health_check() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim$", text, re.M)
+    users = re.findall(r"^USER (\S+)$", text, re.M)
+    assert users and users[-1] not in ("root", "0"), users
+    assert re.search(r"^HEALTHCHECK .*\n?.*grpc_health_probe\.py", text, re.M)
+    assert "--no-index --find-links" in text, "a wheelhouse must install offline"
+
+
+def test_dockerignore_keeps_the_context_small() -> None:
+    text = (ROOT / ".dockerignore").read_text()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
+    assert lines[0] == "*", "the context is an allow-list"
+    assert "!services/" in lines and "!scripts/grpc_health_probe.py" in lines
+    assert "!.venv" not in lines and "!.git" not in lines
+
+
+# ---- the health probe ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def probe() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "grpc_health_probe", ROOT / "scripts" / "grpc_health_probe.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    "service",
+    [
+        pytest.param("", id="whole-server"),
+        pytest.param("hetero_pd.v1.RegistryService", id="named"),
+        pytest.param("x" * 300, id="two-byte-length"),
+    ],
+)
+def test_probe_request_matches_protobuf(probe: ModuleType, service: str) -> None:
+    expected = health_pb2.HealthCheckRequest(service=service).SerializeToString()
+    assert probe.encode_request(service) == expected
+
+
+@pytest.mark.parametrize(
+    "status", [0, 1, 2, 3], ids=["unknown", "serving", "not-serving", "unknown-svc"]
+)
+def test_probe_decodes_protobuf_status(probe: ModuleType, status: int) -> None:
+    raw = health_pb2.HealthCheckResponse(status=status).SerializeToString()
+    assert probe.decode_status(raw) == status
+    # An unknown length-delimited field before the status is skipped.
+    assert probe.decode_status(b"\x12\x03abc" + raw) == status
+
+
+@pytest.fixture(scope="module")
+def health_server() -> Iterator[tuple[str, health.HealthServicer]]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield f"127.0.0.1:{port}", servicer
+    server.stop(0)
+
+
+@pytest.mark.parametrize(
+    ("status", "service", "code"),
+    [
+        pytest.param(health_pb2.HealthCheckResponse.SERVING, "", 0, id="serving"),
+        pytest.param(health_pb2.HealthCheckResponse.NOT_SERVING, "", 1, id="not-serving"),
+        pytest.param(health_pb2.HealthCheckResponse.SERVING, "no.such.Service", 2, id="unknown"),
+    ],
+)
+def test_probe_exit_code_against_a_real_server(
+    probe: ModuleType,
+    health_server: tuple[str, health.HealthServicer],
+    status: int,
+    service: str,
+    code: int,
+) -> None:
+    addr, servicer = health_server
+    servicer.set("", status)
+    args = ["-q", "--addr", addr, "--timeout", "2"] + (["--service", service] if service else [])
+    assert probe.main(args) == code
+
+
+def test_probe_gives_up_on_a_closed_port(probe: ModuleType) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        addr = f"127.0.0.1:{s.getsockname()[1]}"
+    assert probe.main(["-q", "--addr", addr, "--timeout", "1"]) == 2
