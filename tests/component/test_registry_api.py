@@ -25,8 +25,9 @@ async def register(reg: RegistryHandle, wid: str, **kw: Any) -> r.RegisterWorker
     ttl = kw.pop("lease_ttl_ms", 0)
     cred = kw.pop("credential", "")
     resp: r.RegisterWorkerResponse = await reg.stub.RegisterWorker(
-        r.RegisterWorkerRequest(capability=capability(wid, **kw), credential=cred,
-                                lease_ttl_ms=ttl),
+        r.RegisterWorkerRequest(
+            capability=capability(wid, **kw), credential=cred, lease_ttl_ms=ttl
+        ),
         timeout=5,
     )
     return resp
@@ -50,7 +51,9 @@ async def test_register_then_get_and_list(registry: RegistryHandle) -> None:
     assert got.worker.capability == capability(wid)
     assert got.worker.status.health == c.HEALTH_STATE_HEALTHY
     assert not got.worker.HasField("load")
-    listed = await registry.stub.ListWorkers(r.ListWorkersRequest(pool_id="h100-prefill"), timeout=5)
+    listed = await registry.stub.ListWorkers(
+        r.ListWorkersRequest(pool_id="h100-prefill"), timeout=5
+    )
     assert wid in [w.capability.worker_id for w in listed.workers]
 
 
@@ -80,7 +83,9 @@ async def test_only_the_credential_holder_acts_as_the_worker(registry: RegistryH
     wid = registry.prefix + "-auth"
     reg = await register(registry, wid)
     bad = r.HeartbeatRequest(worker_id=wid, credential="wrong")
-    assert await code_of(registry.stub.Heartbeat(bad, timeout=5)) == grpc.StatusCode.PERMISSION_DENIED
+    assert (
+        await code_of(registry.stub.Heartbeat(bad, timeout=5)) == grpc.StatusCode.PERMISSION_DENIED
+    )
     dereg = r.DeregisterWorkerRequest(worker_id=wid, credential="wrong")
     assert await code_of(registry.stub.DeregisterWorker(dereg, timeout=5)) == (
         grpc.StatusCode.PERMISSION_DENIED
@@ -110,8 +115,12 @@ async def test_worker_reports_unhealthy_and_recovers(registry: RegistryHandle) -
     wid = registry.prefix + "-sick"
     reg = await register(registry, wid)
     resp = await registry.stub.Heartbeat(
-        r.HeartbeatRequest(worker_id=wid, credential=reg.credential,
-                           reported_health=c.HEALTH_STATE_UNHEALTHY, health_reason="ecc_error"),
+        r.HeartbeatRequest(
+            worker_id=wid,
+            credential=reg.credential,
+            reported_health=c.HEALTH_STATE_UNHEALTHY,
+            health_reason="ecc_error",
+        ),
         timeout=5,
     )
     assert resp.health == c.HEALTH_STATE_UNHEALTHY
@@ -119,8 +128,9 @@ async def test_worker_reports_unhealthy_and_recovers(registry: RegistryHandle) -
     assert got.status.health == c.HEALTH_STATE_UNHEALTHY
     assert got.status.health_reason == "ecc_error"
     resp = await registry.stub.Heartbeat(
-        r.HeartbeatRequest(worker_id=wid, credential=reg.credential,
-                           reported_health=c.HEALTH_STATE_HEALTHY),
+        r.HeartbeatRequest(
+            worker_id=wid, credential=reg.credential, reported_health=c.HEALTH_STATE_HEALTHY
+        ),
         timeout=5,
     )
     assert resp.health == c.HEALTH_STATE_HEALTHY
@@ -129,19 +139,26 @@ async def test_worker_reports_unhealthy_and_recovers(registry: RegistryHandle) -
 async def test_drain_cordon_uncordon(registry: RegistryHandle) -> None:
     wid = registry.prefix + "-ops"
     reg = await register(registry, wid)
-    w = (await registry.stub.CordonWorker(r.CordonWorkerRequest(worker_id=wid, reason="maint"),
-                                          timeout=5)).worker
+    w = (
+        await registry.stub.CordonWorker(
+            r.CordonWorkerRequest(worker_id=wid, reason="maint"), timeout=5
+        )
+    ).worker
     assert w.status.health == c.HEALTH_STATE_CORDONED and w.status.health_reason == "maint"
-    w = (await registry.stub.DrainWorker(r.DrainWorkerRequest(worker_id=wid, reason="upgrade"),
-                                         timeout=5)).worker
+    w = (
+        await registry.stub.DrainWorker(
+            r.DrainWorkerRequest(worker_id=wid, reason="upgrade"), timeout=5
+        )
+    ).worker
     assert w.status.health == c.HEALTH_STATE_DRAINING and w.status.draining
     hb = await registry.stub.Heartbeat(
         r.HeartbeatRequest(worker_id=wid, credential=reg.credential), timeout=5
     )
     assert hb.health == c.HEALTH_STATE_DRAINING
     assert [d.kind for d in hb.directives] == [c.DIRECTIVE_KIND_DRAIN]
-    w = (await registry.stub.UncordonWorker(r.UncordonWorkerRequest(worker_id=wid),
-                                            timeout=5)).worker
+    w = (
+        await registry.stub.UncordonWorker(r.UncordonWorkerRequest(worker_id=wid), timeout=5)
+    ).worker
     assert w.status.health == c.HEALTH_STATE_HEALTHY
     listed = await registry.stub.ListWorkers(
         r.ListWorkersRequest(health=c.HEALTH_STATE_DRAINING, pool_id="h100-prefill"), timeout=5
@@ -156,8 +173,13 @@ async def test_list_filters_and_pagination(registry: RegistryHandle) -> None:
     ids = [f"{registry.prefix}-w{i:02d}" for i in range(25)]
     for i, wid in enumerate(ids):
         stage = c.STAGE_DECODE if i % 2 else c.STAGE_PREFILL
-        await register(registry, wid, pool_id=pool, stages=(stage,),
-                       labels={"parity": "odd" if i % 2 else "even"})
+        await register(
+            registry,
+            wid,
+            pool_id=pool,
+            stages=(stage,),
+            labels={"parity": "odd" if i % 2 else "even"},
+        )
     seen: list[str] = []
     token = ""
     pages = 0
@@ -192,8 +214,12 @@ async def test_send_directive_delivered_on_next_unary_heartbeat(registry: Regist
     sent = await registry.stub.SendDirective(
         r.SendDirectiveRequest(
             worker_id=wid,
-            directive=c.Directive(kind=c.DIRECTIVE_KIND_SET_MAX_BATCH_SIZE, max_batch_size=96,
-                                  reason="itl_p99_high", issuer="scheduler"),
+            directive=c.Directive(
+                kind=c.DIRECTIVE_KIND_SET_MAX_BATCH_SIZE,
+                max_batch_size=96,
+                reason="itl_p99_high",
+                issuer="scheduler",
+            ),
         ),
         timeout=5,
     )
@@ -212,8 +238,9 @@ async def test_stream_heartbeats_ack_then_directive(registry: RegistryHandle) ->
     wid = registry.prefix + "-stream"
     reg = await register(registry, wid)
     outbox: asyncio.Queue[r.StreamHeartbeatsRequest | None] = asyncio.Queue()
-    await outbox.put(r.StreamHeartbeatsRequest(worker_id=wid, credential=reg.credential,
-                                               load=load(queue=1)))
+    await outbox.put(
+        r.StreamHeartbeatsRequest(worker_id=wid, credential=reg.credential, load=load(queue=1))
+    )
 
     async def requests() -> Any:
         while (m := await outbox.get()) is not None:
@@ -223,8 +250,12 @@ async def test_stream_heartbeats_ack_then_directive(registry: RegistryHandle) ->
     first = await asyncio.wait_for(call.read(), 5)
     assert first.WhichOneof("event") == "ack"
     await registry.stub.SendDirective(
-        r.SendDirectiveRequest(worker_id=wid, directive=c.Directive(
-            kind=c.DIRECTIVE_KIND_THROTTLE, fraction=0.5, reason="memory_pressure")),
+        r.SendDirectiveRequest(
+            worker_id=wid,
+            directive=c.Directive(
+                kind=c.DIRECTIVE_KIND_THROTTLE, fraction=0.5, reason="memory_pressure"
+            ),
+        ),
         timeout=5,
     )
     while True:

@@ -182,52 +182,126 @@ i64 = st.integers(-(2**63), 2**63 - 1)
 enum_val = st.integers(0, 8)
 
 kvformats = st.builds(
-    c.KvFormat, dtype=enum_val, layout=enum_val, block_size_tokens=u32, num_layers=u32,
-    num_kv_heads=u32, head_dim=u32, tp_size=u32, attention_backend=text, model_revision=text,
+    c.KvFormat,
+    dtype=enum_val,
+    layout=enum_val,
+    block_size_tokens=u32,
+    num_layers=u32,
+    num_kv_heads=u32,
+    head_dim=u32,
+    tp_size=u32,
+    attention_backend=text,
+    model_revision=text,
 )
 capabilities = st.builds(
-    c.WorkerCapability, worker_id=text, pool_id=text, endpoint=text,
-    stages=st.lists(enum_val, max_size=3), model_id=text, model_revision=text, engine=text,
-    engine_version=text, gpu_type=st.sampled_from(["H100-SXM", "A100-80G", "L4", "", "??"]),
-    gpu_count=u32, tp_size=u32, pp_size=u32, peak_tflops=floats, hbm_gbps=floats,
-    kv_memory_total_bytes=u64, max_batch_size=u32, kv_format=kvformats,
+    c.WorkerCapability,
+    worker_id=text,
+    pool_id=text,
+    endpoint=text,
+    stages=st.lists(enum_val, max_size=3),
+    model_id=text,
+    model_revision=text,
+    engine=text,
+    engine_version=text,
+    gpu_type=st.sampled_from(["H100-SXM", "A100-80G", "L4", "", "??"]),
+    gpu_count=u32,
+    tp_size=u32,
+    pp_size=u32,
+    peak_tflops=floats,
+    hbm_gbps=floats,
+    kv_memory_total_bytes=u64,
+    max_batch_size=u32,
+    kv_format=kvformats,
     network=st.builds(c.NetworkLocation, zone=text, rack=text, host=text, nic_gbps=floats),
     labels=st.dictionaries(text, text, max_size=3),
 )
 loads = st.builds(
-    c.LoadReport, gpu_util=floats, memory_util=floats, kv_blocks_free=u64, kv_blocks_total=u64,
-    queue_depth=u32, queue_max=u32, running_prefills=u32, batch_size=u32, itl_p50_ms=floats,
-    itl_p99_ms=floats, itl_trend_ms_per_s=floats, prefill_tokens_per_s=floats,
+    c.LoadReport,
+    gpu_util=floats,
+    memory_util=floats,
+    kv_blocks_free=u64,
+    kv_blocks_total=u64,
+    queue_depth=u32,
+    queue_max=u32,
+    running_prefills=u32,
+    batch_size=u32,
+    itl_p50_ms=floats,
+    itl_p99_ms=floats,
+    itl_trend_ms_per_s=floats,
+    prefill_tokens_per_s=floats,
     reported_at_unix_ms=i64,
 )
 directives = st.builds(
-    c.Directive, kind=enum_val, max_batch_size=u32, target_worker_id=text, fraction=floats,
-    reason=text, issuer=text,
+    c.Directive,
+    kind=enum_val,
+    max_batch_size=u32,
+    target_worker_id=text,
+    fraction=floats,
+    reason=text,
+    issuer=text,
 )
 calls = st.one_of(
-    st.builds(lambda m, cr, t: ("RegisterWorker", r.RegisterWorkerRequest(
-        capability=m, credential=cr, lease_ttl_ms=t)), capabilities, text, u32),
-    st.builds(lambda w, cr, ld, h, why: ("Heartbeat", r.HeartbeatRequest(
-        worker_id=w, credential=cr, load=ld, reported_health=h, health_reason=why)),
-        text, text, loads, enum_val, text),
-    st.builds(lambda w, cr: ("DeregisterWorker", r.DeregisterWorkerRequest(
-        worker_id=w, credential=cr)), text, text),
-    st.builds(lambda w, why: ("DrainWorker", r.DrainWorkerRequest(worker_id=w, reason=why)),
-              text, text),
-    st.builds(lambda w, why: ("CordonWorker", r.CordonWorkerRequest(worker_id=w, reason=why)),
-              text, text),
+    st.builds(
+        lambda m, cr, t: (
+            "RegisterWorker",
+            r.RegisterWorkerRequest(capability=m, credential=cr, lease_ttl_ms=t),
+        ),
+        capabilities,
+        text,
+        u32,
+    ),
+    st.builds(
+        lambda w, cr, ld, h, why: (
+            "Heartbeat",
+            r.HeartbeatRequest(
+                worker_id=w, credential=cr, load=ld, reported_health=h, health_reason=why
+            ),
+        ),
+        text,
+        text,
+        loads,
+        enum_val,
+        text,
+    ),
+    st.builds(
+        lambda w, cr: ("DeregisterWorker", r.DeregisterWorkerRequest(worker_id=w, credential=cr)),
+        text,
+        text,
+    ),
+    st.builds(
+        lambda w, why: ("DrainWorker", r.DrainWorkerRequest(worker_id=w, reason=why)), text, text
+    ),
+    st.builds(
+        lambda w, why: ("CordonWorker", r.CordonWorkerRequest(worker_id=w, reason=why)), text, text
+    ),
     st.builds(lambda w: ("UncordonWorker", r.UncordonWorkerRequest(worker_id=w)), text),
     st.builds(lambda w: ("GetWorker", r.GetWorkerRequest(worker_id=w)), text),
-    st.builds(lambda p, m, s, h, n, t: ("ListWorkers", r.ListWorkersRequest(
-        pool_id=p, model_id=m, stage=s, health=h, page_size=n, page_token=t)),
-        text, text, enum_val, enum_val, u32, text),
+    st.builds(
+        lambda p, m, s, h, n, t: (
+            "ListWorkers",
+            r.ListWorkersRequest(
+                pool_id=p, model_id=m, stage=s, health=h, page_size=n, page_token=t
+            ),
+        ),
+        text,
+        text,
+        enum_val,
+        enum_val,
+        u32,
+        text,
+    ),
     st.builds(lambda m: ("ListPools", r.ListPoolsRequest(model_id=m)), text),
-    st.builds(lambda w, d: ("SendDirective", r.SendDirectiveRequest(worker_id=w, directive=d)),
-              text, directives),
+    st.builds(
+        lambda w, d: ("SendDirective", r.SendDirectiveRequest(worker_id=w, directive=d)),
+        text,
+        directives,
+    ),
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(call=calls)
 async def test_random_messages_never_internal(registry: RegistryHandle, call: Any) -> None:
     method, request = call
@@ -239,7 +313,9 @@ async def test_random_messages_never_internal(registry: RegistryHandle, call: An
     assert code in ALLOWED, (method, code)
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(req=st.builds(r.WatchWorkersRequest, from_revision=u64, model_id=text))
 async def test_random_watch_requests_never_internal(
     registry: RegistryHandle, req: r.WatchWorkersRequest
@@ -259,15 +335,31 @@ def server_internal_errors() -> float:
     total = 0.0
     for metric in metrics.RPC_ERRORS.collect():
         for sample in metric.samples:
-            if sample.name.endswith("_total") and sample.labels.get("code") in ("INTERNAL", "UNKNOWN"):
+            if sample.name.endswith("_total") and sample.labels.get("code") in (
+                "INTERNAL",
+                "UNKNOWN",
+            ):
                 total += sample.value
     return total
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(msgs=st.lists(st.builds(r.StreamHeartbeatsRequest, worker_id=text, credential=text,
-                               load=loads, reported_health=enum_val, health_reason=text),
-                     min_size=1, max_size=3))
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    msgs=st.lists(
+        st.builds(
+            r.StreamHeartbeatsRequest,
+            worker_id=text,
+            credential=text,
+            load=loads,
+            reported_health=enum_val,
+            health_reason=text,
+        ),
+        min_size=1,
+        max_size=3,
+    )
+)
 async def test_random_heartbeat_streams_never_internal(
     registry: RegistryHandle, msgs: list[r.StreamHeartbeatsRequest]
 ) -> None:

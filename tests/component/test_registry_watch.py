@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any
 
@@ -13,19 +12,17 @@ from hetero_pd.v1 import common_pb2 as c
 from hetero_pd.v1 import registry_pb2 as r
 from tests.conftest import RegistryHandle, external, start_registry
 from tests.support.fleet import capability, load
+from tests.support.watch import EventReader
 
 pytestmark = pytest.mark.integration
 T = r.WatchEventType
 
 
-async def next_event(call: Any, want: int, worker_id: str = "", timeout: float = 5.0) -> Any:
+async def next_event(
+    call: EventReader, want: int, worker_id: str = "", timeout: float = 5.0
+) -> Any:
     """Reads events until one of type `want` (for `worker_id`, if given) arrives."""
-    deadline = time.monotonic() + timeout
-    while True:
-        ev = await asyncio.wait_for(call.read(), max(0.01, deadline - time.monotonic()))
-        assert ev is not grpc.aio.EOF
-        if ev.type == want and (not worker_id or ev.worker_id == worker_id):
-            return ev
+    return await call.next(want, worker_id, timeout)
 
 
 async def test_watch_snapshot_then_changes(registry: RegistryHandle) -> None:
@@ -34,7 +31,7 @@ async def test_watch_snapshot_then_changes(registry: RegistryHandle) -> None:
     reg_a = await registry.stub.RegisterWorker(
         r.RegisterWorkerRequest(capability=capability(a, model=model)), timeout=5
     )
-    call = registry.stub.WatchWorkers(r.WatchWorkersRequest(model_id=model))
+    call = EventReader(registry.stub.WatchWorkers(r.WatchWorkersRequest(model_id=model)))
     snap = await next_event(call, T.WATCH_EVENT_TYPE_SNAPSHOT)
     assert snap.worker_id == a and snap.worker.capability.model_id == model
     end = await next_event(call, T.WATCH_EVENT_TYPE_SNAPSHOT_END)
@@ -42,8 +39,9 @@ async def test_watch_snapshot_then_changes(registry: RegistryHandle) -> None:
 
     b = registry.prefix + "-b"
     await registry.stub.RegisterWorker(
-        r.RegisterWorkerRequest(capability=capability(b, model=model, pool_id="a100-decode",
-                                                      stages=(c.STAGE_DECODE,))),
+        r.RegisterWorkerRequest(
+            capability=capability(b, model=model, pool_id="a100-decode", stages=(c.STAGE_DECODE,))
+        ),
         timeout=5,
     )
     put = await next_event(call, T.WATCH_EVENT_TYPE_PUT, b)
@@ -83,10 +81,12 @@ async def test_watch_resumes_from_revision(registry: RegistryHandle) -> None:
     await registry.stub.RegisterWorker(
         r.RegisterWorkerRequest(capability=capability(second_id, model=model)), timeout=5
     )
-    call = registry.stub.WatchWorkers(
-        r.WatchWorkersRequest(from_revision=first.revision, model_id=model)
+    call = EventReader(
+        registry.stub.WatchWorkers(
+            r.WatchWorkersRequest(from_revision=first.revision, model_id=model)
+        )
     )
-    ev = await asyncio.wait_for(call.read(), 5)
+    ev = await call.read()
     # no snapshot: the change after the revision, replayed
     assert ev.type == T.WATCH_EVENT_TYPE_PUT and ev.worker_id == second_id
     call.cancel()
@@ -97,20 +97,23 @@ async def test_watch_from_trimmed_revision_resyncs(redis_server: Any, key_prefix
     server = await start_registry(redis_server.url, key_prefix, feed_max_len=10)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
     try:
-        from hetero_pd.v1 import registry_pb2_grpc as r_grpc  # noqa: PLC0415
+        from hetero_pd.v1 import registry_pb2_grpc as r_grpc
 
         stub = r_grpc.RegistryServiceStub(channel)
         reg = await stub.RegisterWorker(
             r.RegisterWorkerRequest(capability=capability(key_prefix + "-x")), timeout=5
         )
         for i in range(300):  # push the feed well past its cap (trimming is approximate)
-            await stub.Heartbeat(r.HeartbeatRequest(worker_id=key_prefix + "-x",
-                                                    credential=reg.credential, load=load(queue=i)),
-                                 timeout=5)
-        call = stub.WatchWorkers(r.WatchWorkersRequest(from_revision=1))
-        ev = await asyncio.wait_for(call.read(), 5)
+            await stub.Heartbeat(
+                r.HeartbeatRequest(
+                    worker_id=key_prefix + "-x", credential=reg.credential, load=load(queue=i)
+                ),
+                timeout=5,
+            )
+        call = EventReader(stub.WatchWorkers(r.WatchWorkersRequest(from_revision=1)))
+        ev = await call.read()
         assert ev.type == T.WATCH_EVENT_TYPE_RESYNC
-        ev = await asyncio.wait_for(call.read(), 5)
+        ev = await call.read()
         assert ev.type == T.WATCH_EVENT_TYPE_SNAPSHOT and ev.worker.load.queue_depth == 299
         call.cancel()
     finally:
@@ -125,7 +128,9 @@ async def test_silent_worker_turns_suspect_then_expires(registry: RegistryHandle
         r.RegisterWorkerRequest(capability=capability(wid), lease_ttl_ms=ttl_ms), timeout=5
     )
     assert reg.lease_ttl_ms == ttl_ms
-    call = registry.stub.WatchWorkers(r.WatchWorkersRequest(from_revision=reg.revision))
+    call = EventReader(
+        registry.stub.WatchWorkers(r.WatchWorkersRequest(from_revision=reg.revision))
+    )
     start = time.monotonic()
     ev = await next_event(call, T.WATCH_EVENT_TYPE_PUT, wid, timeout=5)
     assert ev.worker.status.health == c.HEALTH_STATE_SUSPECT
@@ -154,10 +159,13 @@ async def test_heartbeat_after_suspect_restores_healthy(registry: RegistryHandle
     reg = await registry.stub.RegisterWorker(
         r.RegisterWorkerRequest(capability=capability(wid), lease_ttl_ms=1_500), timeout=5
     )
-    call = registry.stub.WatchWorkers(r.WatchWorkersRequest(from_revision=reg.revision))
+    call = EventReader(
+        registry.stub.WatchWorkers(r.WatchWorkersRequest(from_revision=reg.revision))
+    )
     await next_event(call, T.WATCH_EVENT_TYPE_PUT, wid)  # SUSPECT
-    await registry.stub.Heartbeat(r.HeartbeatRequest(worker_id=wid, credential=reg.credential),
-                                  timeout=5)
+    await registry.stub.Heartbeat(
+        r.HeartbeatRequest(worker_id=wid, credential=reg.credential), timeout=5
+    )
     ev = await next_event(call, T.WATCH_EVENT_TYPE_PUT, wid)
     assert ev.worker.status.health == c.HEALTH_STATE_HEALTHY
     call.cancel()

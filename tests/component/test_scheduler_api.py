@@ -13,7 +13,6 @@ Also here: the scheduler harness the other scheduler test modules import (`start
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from typing import Any
 
 import grpc
 import pytest
+from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hetero_pd.v1 import common_pb2 as c
@@ -60,8 +60,9 @@ class SchedulerHandle:
             await asyncio.sleep(1.5)  # external scheduler: one rebuild interval and then some
             return
         want = {
-            w: (await self.registry.stub.GetWorker(r.GetWorkerRequest(worker_id=w), timeout=5))
-            .worker.revision
+            w: (
+                await self.registry.stub.GetWorker(r.GetWorkerRequest(worker_id=w), timeout=5)
+            ).worker.revision
             for w in worker_ids
         }
         deadline = time.monotonic() + timeout_s
@@ -74,7 +75,9 @@ class SchedulerHandle:
         raise AssertionError(f"scheduler never saw {sorted(want)}")
 
 
-async def start_scheduler(redis_url: str, prefix: str, registry: str, **overrides: Any) -> GrpcServer:
+async def start_scheduler(
+    redis_url: str, prefix: str, registry: str, **overrides: Any
+) -> GrpcServer:
     from hpd_scheduler.__main__ import build_server
     from hpd_scheduler.service import SchedulerSettings
 
@@ -260,7 +263,7 @@ async def test_unhealthy_preferred_pool_means_reroute(scheduler: SchedulerHandle
     await asyncio.sleep(0.3)  # the explanation is written just after the plan
     rec = (await scheduler.stub.GetRouteRecord(s.GetRouteRecordRequest(request_id="rr-1"))).record
     assert rec.summary["route_decision"] == "reroute"
-    pools = json.loads(json.dumps(dict(rec.explanation["rejected_pools"])))  # Struct -> plain
+    pools = MessageToDict(rec.explanation)["rejected_pools"]
     assert "h200-decode" in pools and "cordoned" in pools["h200-decode"]
 
 
@@ -373,7 +376,7 @@ async def test_saturated_tier_is_resource_exhausted_with_a_retry_delay(
     await scheduler.settle([wid])
     code, exc = await status_of(scheduler.stub.Schedule(sched("sat-1", tier="batch"), timeout=5))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    trailers = dict(exc.trailing_metadata() or ())
+    trailers = {k: v for k, v in (exc.trailing_metadata() or ())}
     assert int(trailers["retry-after-ms"]) > 0
 
 

@@ -16,8 +16,6 @@ import pytest
 from hpd_common.embedded_redis import free_port
 from tests.support.fleet import capability
 
-pytestmark = pytest.mark.e2e
-
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -44,20 +42,38 @@ def grpcurl(port: int, *args: str, data: object | None = None) -> subprocess.Com
     return subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
 
 
+PORTS: dict[str, int] = {}
+
+
 @pytest.fixture(scope="module")
 def hpd_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     port = free_port()
+    PORTS["kvbroker"] = free_port()
     state = tmp_path_factory.mktemp("hpd-up")
     hpd = Path(sys.executable).parent / "hpd"
     proc = subprocess.Popen(
-        [str(hpd), "up", "--state-dir", str(state), "--registry-port", str(port),
-         "--metrics-port", "0", "--log-level", "warning"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            str(hpd),
+            "up",
+            "--state-dir",
+            str(state),
+            "--registry-port",
+            str(port),
+            "--kvbroker-port",
+            str(PORTS["kvbroker"]),
+            "--metrics-port",
+            "0",
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        out = grpcurl(port, "grpc.health.v1.Health/Check")
-        if out.returncode == 0 and "SERVING" in out.stdout and "NOT" not in out.stdout:
+        outs = [grpcurl(p, "grpc.health.v1.Health/Check") for p in (port, PORTS["kvbroker"])]
+        if all(o.returncode == 0 and '"SERVING"' in o.stdout for o in outs):
             break
         time.sleep(0.2)
     else:
@@ -72,8 +88,11 @@ def test_list_shows_registry_health_and_reflection(hpd_up: int) -> None:
     out = grpcurl(hpd_up, "list")
     assert out.returncode == 0, out.stderr
     services = set(out.stdout.split())
-    assert {"hetero_pd.v1.RegistryService", "grpc.health.v1.Health",
-            "grpc.reflection.v1alpha.ServerReflection"} <= services
+    assert {
+        "hetero_pd.v1.RegistryService",
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1alpha.ServerReflection",
+    } <= services
 
 
 def test_describe_works(hpd_up: int) -> None:
@@ -83,21 +102,26 @@ def test_describe_works(hpd_up: int) -> None:
 
 
 def test_register_from_json_then_read_back(hpd_up: int) -> None:
-    from google.protobuf.json_format import MessageToDict  # noqa: PLC0415
+    from google.protobuf.json_format import MessageToDict
 
     cap = MessageToDict(capability("grpcurl-w1"))
-    out = grpcurl(hpd_up, "hetero_pd.v1.RegistryService/RegisterWorker",
-                  data={"capability": cap, "leaseTtlMs": 60000})
+    out = grpcurl(
+        hpd_up,
+        "hetero_pd.v1.RegistryService/RegisterWorker",
+        data={"capability": cap, "leaseTtlMs": 60000},
+    )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["worker_id"] == "grpcurl-w1"
-    got = grpcurl(hpd_up, "hetero_pd.v1.RegistryService/GetWorker",
-                  data={"worker_id": "grpcurl-w1"})
+    got = grpcurl(
+        hpd_up, "hetero_pd.v1.RegistryService/GetWorker", data={"worker_id": "grpcurl-w1"}
+    )
     assert got.returncode == 0, got.stderr
     worker = json.loads(got.stdout)["worker"]
     assert worker["capability"]["gpu_type"] == "H100-SXM"
     assert worker["status"]["health"] == "HEALTH_STATE_HEALTHY"
-    listed = grpcurl(hpd_up, "hetero_pd.v1.RegistryService/ListWorkers",
-                     data={"pool_id": "h100-prefill"})
+    listed = grpcurl(
+        hpd_up, "hetero_pd.v1.RegistryService/ListWorkers", data={"pool_id": "h100-prefill"}
+    )
     assert listed.returncode == 0, listed.stderr
     assert [w["capability"]["worker_id"] for w in json.loads(listed.stdout)["workers"]] == [
         "grpcurl-w1"
@@ -109,3 +133,38 @@ def test_health_check_serving(hpd_up: int) -> None:
         out = grpcurl(hpd_up, "grpc.health.v1.Health/Check", data={"service": service})
         assert out.returncode == 0, out.stderr
         assert json.loads(out.stdout)["status"] == "SERVING"
+
+
+def test_kvbroker_negotiates_two_registered_workers(hpd_up: int) -> None:
+    from google.protobuf.json_format import MessageToDict
+
+    from hetero_pd.v1 import common_pb2 as c
+
+    for cap in (
+        capability("neg-p1"),
+        capability(
+            "neg-d1", pool_id="a100-decode", stages=(c.STAGE_DECODE,), gpu="A100-80G", block=32
+        ),
+    ):
+        out = grpcurl(
+            hpd_up,
+            "hetero_pd.v1.RegistryService/RegisterWorker",
+            data={"capability": MessageToDict(cap), "leaseTtlMs": 60000},
+        )
+        assert out.returncode == 0, out.stderr
+    broker = PORTS["kvbroker"]
+    listed = grpcurl(broker, "list")
+    assert "hetero_pd.v1.KvBrokerService" in listed.stdout.split()
+    out = grpcurl(
+        broker,
+        "hetero_pd.v1.KvBrokerService/Negotiate",
+        data={
+            "source_worker_id": "neg-p1",
+            "destination_worker_id": "neg-d1",
+            "kv_bytes": str(2**30),
+        },
+    )
+    assert out.returncode == 0, out.stderr
+    verdict = json.loads(out.stdout)
+    assert verdict["negotiation"]["verdict"] == "COMPATIBILITY_VERDICT_CONVERTIBLE", verdict
+    assert "block_size_mismatch" in json.dumps(verdict)

@@ -20,6 +20,7 @@ from hetero_pd.v1 import registry_pb2_grpc as r_grpc
 from hpd_common.embedded_redis import EmbeddedRedis, free_port
 from tests.conftest import external
 from tests.support.fleet import capability
+from tests.support.watch import EventReader
 
 pytestmark = [
     pytest.mark.integration,
@@ -28,9 +29,15 @@ pytestmark = [
 
 
 def start_process(redis_url: str, port: int, prefix: str) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "HPD_REDIS_URL": redis_url, "HPD_PORT": str(port),
-           "HPD_KEY_PREFIX": prefix, "HPD_LOG_LEVEL": "warning", "HPD_SWEEP_INTERVAL_MS": "100",
-           "HPD_BOOKMARK_INTERVAL_MS": "200"}
+    env = {
+        **os.environ,
+        "HPD_REDIS_URL": redis_url,
+        "HPD_PORT": str(port),
+        "HPD_KEY_PREFIX": prefix,
+        "HPD_LOG_LEVEL": "warning",
+        "HPD_SWEEP_INTERVAL_MS": "100",
+        "HPD_BOOKMARK_INTERVAL_MS": "200",
+    }
     return subprocess.Popen([sys.executable, "-m", "hpd_registry"], env=env)
 
 
@@ -52,8 +59,10 @@ async def wait_serving(target: str, timeout_s: float = 15.0) -> None:
 @pytest.fixture
 def registry_process(redis_server: EmbeddedRedis, key_prefix: str) -> Iterator[dict[str, object]]:
     port = free_port()
-    state: dict[str, object] = {"port": port, "proc": start_process(redis_server.url, port,
-                                                                     key_prefix)}
+    state: dict[str, object] = {
+        "port": port,
+        "proc": start_process(redis_server.url, port, key_prefix),
+    }
     yield state
     proc = state["proc"]
     assert isinstance(proc, subprocess.Popen)
@@ -72,13 +81,16 @@ async def test_sigkill_and_restart_keeps_workers_and_revision(
         creds = {}
         for i in range(5):
             resp = await stub.RegisterWorker(
-                r.RegisterWorkerRequest(capability=capability(f"{key_prefix}-{i}"),
-                                        lease_ttl_ms=60_000), timeout=5)
+                r.RegisterWorkerRequest(
+                    capability=capability(f"{key_prefix}-{i}"), lease_ttl_ms=60_000
+                ),
+                timeout=5,
+            )
             creds[resp.worker_id] = resp.credential
-        watch = stub.WatchWorkers(r.WatchWorkersRequest())
+        watch = EventReader(stub.WatchWorkers(r.WatchWorkersRequest()))
         last = 0
         while True:
-            ev = await asyncio.wait_for(watch.read(), 5)
+            ev = await watch.read()
             last = max(last, ev.revision)
             if ev.type == r.WATCH_EVENT_TYPE_SNAPSHOT_END:
                 break
@@ -94,16 +106,16 @@ async def test_sigkill_and_restart_keeps_workers_and_revision(
         assert sorted(w.capability.worker_id for w in listed.workers) == sorted(creds)
         assert listed.revision >= last
         # a watcher resumes from its last revision and sees only what happened since
-        watch = stub.WatchWorkers(r.WatchWorkersRequest(from_revision=last))
+        watch = EventReader(stub.WatchWorkers(r.WatchWorkersRequest(from_revision=last)))
         first_id = sorted(creds)[0]
-        hb = await stub.Heartbeat(r.HeartbeatRequest(worker_id=first_id,
-                                                     credential=creds[first_id],
-                                                     load=None), timeout=5)
+        hb = await stub.Heartbeat(
+            r.HeartbeatRequest(worker_id=first_id, credential=creds[first_id], load=None), timeout=5
+        )
         assert hb.lease_ttl_ms > 0  # credentials survived the crash
         await stub.CordonWorker(r.CordonWorkerRequest(worker_id=first_id), timeout=5)
-        ev = await asyncio.wait_for(watch.read(), 5)
+        ev = await watch.read()
         while ev.type == r.WATCH_EVENT_TYPE_BOOKMARK:
-            ev = await asyncio.wait_for(watch.read(), 5)
+            ev = await watch.read()
         assert ev.type == r.WATCH_EVENT_TYPE_PUT and ev.worker_id == first_id
         assert ev.revision > last
         watch.cancel()
@@ -120,8 +132,11 @@ async def test_redis_outage_unavailable_then_recovers(tmp_path: Path, key_prefix
             stub = r_grpc.RegistryServiceStub(ch)
             health = health_pb2_grpc.HealthStub(ch)
             acked = await stub.RegisterWorker(
-                r.RegisterWorkerRequest(capability=capability(key_prefix + "-kept"),
-                                        lease_ttl_ms=120_000), timeout=5)
+                r.RegisterWorkerRequest(
+                    capability=capability(key_prefix + "-kept"), lease_ttl_ms=120_000
+                ),
+                timeout=5,
+            )
             await asyncio.sleep(1.2)  # AOF fsync is every second
             redis.stop()
             deadline = time.monotonic() + 10
@@ -134,8 +149,9 @@ async def test_redis_outage_unavailable_then_recovers(tmp_path: Path, key_prefix
             assert status == health_pb2.HealthCheckResponse.NOT_SERVING
             for call in (
                 stub.GetWorker(r.GetWorkerRequest(worker_id=acked.worker_id), timeout=4),
-                stub.RegisterWorker(r.RegisterWorkerRequest(
-                    capability=capability(key_prefix + "-new")), timeout=4),
+                stub.RegisterWorker(
+                    r.RegisterWorkerRequest(capability=capability(key_prefix + "-new")), timeout=4
+                ),
                 stub.ListWorkers(r.ListWorkersRequest(), timeout=4),
             ):
                 started = time.monotonic()

@@ -16,7 +16,9 @@ SERVICES = ROOT / "services"
 def test_generated_code_is_current() -> None:
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "gen_protos.py"), "--check"],
-        capture_output=True, text=True, check=False,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -42,8 +44,11 @@ def roots(names: set[str]) -> set[str]:
 
 @pytest.mark.parametrize(
     "path",
-    [p for p in hand_written() if "policy" in p.parts or p.name in
-     ("kvformat.py", "gpus.py", "perfmodel.py", "domain.py")],
+    [
+        p
+        for p in hand_written()
+        if "policy" in p.parts or p.name in ("kvformat.py", "gpus.py", "perfmodel.py", "domain.py")
+    ],
     ids=lambda p: str(p.relative_to(SERVICES)),
 )
 def test_pure_modules_import_no_grpc_protobuf_or_redis(path: Path) -> None:
@@ -52,13 +57,22 @@ def test_pure_modules_import_no_grpc_protobuf_or_redis(path: Path) -> None:
 
 
 # Modules that sit at the gRPC edge: servicers, proto conversion, bootstrap, clients.
-EDGE = {"api.py", "convert.py", "server.py", "rpc.py", "diagnostics.py", "informer.py",
-        "tables.py", "client.py", "grpc_client.py"}
+EDGE = {
+    "api.py",
+    "convert.py",
+    "server.py",
+    "rpc.py",
+    "diagnostics.py",
+    "informer.py",
+    "tables.py",
+    "client.py",
+    "grpc_client.py",
+}
 
 
 @pytest.mark.parametrize("path", hand_written(), ids=lambda p: str(p.relative_to(SERVICES)))
 def test_only_edge_modules_import_grpc_or_generated_code(path: Path) -> None:
-    if path.name in EDGE or "sim" in path.parts and path.name == "cli.py":
+    if path.name in EDGE or ("sim" in path.parts and path.name == "cli.py"):
         return
     names = imports_of(path)
     generated = {n for n in names if n.startswith("hetero_pd")}

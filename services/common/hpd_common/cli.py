@@ -16,9 +16,15 @@ from collections.abc import Callable, Sequence
 COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("hpd_common.up", "run the whole control plane on this machine"),
     "registry": ("hpd_registry.__main__", "run the registry service"),
+    "kvbroker": ("hpd_kvbroker.__main__", "run the KV broker service"),
     "workers": ("hpd_common.tables", "print the workers of a running registry"),
     "pools": ("hpd_common.tables", "print the pools of a running registry"),
+    "sessions": ("hpd_kvbroker.tables", "print the KV transfer sessions of a running broker"),
+    "compat": ("hpd_kvbroker.tables", "print the prefill x decode KV compatibility of a model"),
 }
+
+# Table commands receive their own name first (one module serves several tables).
+TABLE_MODULES = {"hpd_common.tables", "hpd_kvbroker.tables", "hpd_scheduler.tables"}
 
 
 def usage() -> str:
@@ -46,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     module = importlib.import_module(COMMANDS[name][0])
     entry: Callable[..., int] = module.main
-    if module.__name__ == "hpd_common.tables":
+    if module.__name__ in TABLE_MODULES:
         return entry([name, *rest])
     return entry(rest)
 

@@ -44,12 +44,16 @@ CLIENT_OPTIONS = [
 
 @dataclass(frozen=True, slots=True)
 class FleetChange:
-    """What changed: kind is put, load, delete or resync (worker_id empty for resync)."""
+    """What changed: kind is put, load, delete or resync (worker_id empty for resync).
+
+    `reason` says why a worker was deleted: "deregistered" or "lease_expired".
+    """
 
     kind: str
     worker_id: str
     record: WorkerRecord | None
     revision: int
+    reason: str = ""
 
 
 def record_from_pb(w: Any) -> WorkerRecord:
@@ -144,9 +148,11 @@ class FleetInformer:
                 call = stub.WatchWorkers(
                     r.WatchWorkersRequest(from_revision=self.revision, model_id=self.model_id)
                 )
-                async for ev in call:
+                async for msg in call:
                     backoff = 0.1
-                    self._apply(ev)
+                    self._last_contact = self.clock.monotonic()
+                    for ev in msg.events:
+                        self._apply(ev)
             except asyncio.CancelledError:
                 raise
             except grpc.RpcError as exc:
@@ -160,7 +166,6 @@ class FleetInformer:
             backoff = min(self._max_backoff_s, backoff * 2)
 
     def _apply(self, ev: Any) -> None:
-        self._last_contact = self.clock.monotonic()
         t = ev.type
         if t == r.WATCH_EVENT_TYPE_RESYNC:
             self._pending = {}
@@ -201,4 +206,4 @@ class FleetInformer:
             self._emit(FleetChange("load", ev.worker_id, rec, ev.revision))
         elif t == r.WATCH_EVENT_TYPE_DELETE:
             self.workers.pop(ev.worker_id, None)
-            self._emit(FleetChange("delete", ev.worker_id, None, ev.revision))
+            self._emit(FleetChange("delete", ev.worker_id, None, ev.revision, ev.reason))

@@ -33,6 +33,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--redis-port", type=int, default=0, help="embedded Redis port (0 = free port)")
     p.add_argument("--host", default="127.0.0.1", help="address the services listen on")
     p.add_argument("--registry-port", type=int, default=50051)
+    p.add_argument("--kvbroker-port", type=int, default=50053)
     p.add_argument("--metrics-port", type=int, default=9451, help="Prometheus port (0 = off)")
     p.add_argument("--lease-ttl-ms", type=int, default=10_000, help="default worker lease")
     p.add_argument("--log-level", default="info")
@@ -41,6 +42,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 async def _serve(args: argparse.Namespace, redis_url: str) -> None:
+    from hpd_kvbroker.__main__ import build_server as build_kvbroker
+    from hpd_kvbroker.service import KvBrokerSettings
     from hpd_registry.__main__ import build_server as build_registry
     from hpd_registry.service import RegistrySettings
 
@@ -55,7 +58,17 @@ async def _serve(args: argparse.Namespace, redis_url: str) -> None:
                 log_level=args.log_level,
             ),
             client,
-        )
+        ),
+        build_kvbroker(
+            KvBrokerSettings(
+                host=args.host,
+                port=args.kvbroker_port,
+                redis_url=redis_url,
+                registry_target=f"{args.host}:{args.registry_port}",
+                log_level=args.log_level,
+            ),
+            client,
+        ),
     ]
 
     async def started() -> None:

@@ -23,7 +23,6 @@ import hmac
 import random
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -159,24 +158,6 @@ class Negotiated:
     destination: KvFormat
 
 
-class _ReasonInformer(FleetInformer):
-    """A FleetInformer that also remembers why the registry dropped each worker.
-
-    FleetChange carries no reason; the broker needs it ("lease_expired" vs
-    "deregistered") for the sessions it fails. The reason is recorded before the base
-    class calls the change listener.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.delete_reasons: dict[str, str] = {}
-
-    def _apply(self, ev: Any) -> None:
-        if ev.type == 5:  # WATCH_EVENT_TYPE_DELETE
-            self.delete_reasons[ev.worker_id] = ev.reason
-        super()._apply(ev)
-
-
 def _random_ids(rng: random.Random) -> Callable[[int], str]:
     def new_id(now_ms: int) -> str:
         return f"{now_ms:012x}{rng.getrandbits(48):012x}"
@@ -218,9 +199,9 @@ class KvBrokerService:
         self.registry = RegistryStore(client, RegistryKeys(settings.registry_key_prefix))
         self.matrix = CompatibilityMatrix(self.policy)
         self._new_id = _random_ids(rng or random.SystemRandom())
-        self.informer: _ReasonInformer | None = None
+        self.informer: FleetInformer | None = None
         if settings.registry_target:
-            self.informer = _ReasonInformer(
+            self.informer = FleetInformer(
                 settings.registry_target, on_change=self._on_fleet_change, clock=clock
             )
         self._watchers: dict[str, set[asyncio.Queue[Session]]] = {}
@@ -297,7 +278,7 @@ class KvBrokerService:
             self.matrix.put(change.record, change.revision)
         elif change.kind == "delete":
             self.matrix.delete(change.worker_id, change.revision)
-            why = self.informer.delete_reasons.pop(change.worker_id, "") if self.informer else ""
+            why = change.reason
             task = asyncio.get_running_loop().create_task(
                 self.worker_lost(change.worker_id, worker_lost_reason(change.worker_id, why))
             )

@@ -165,16 +165,17 @@ class RegistryApi(r_grpc.RegistryServiceServicer):
     async def WatchWorkers(
         self, request: r.WatchWorkersRequest, context: Any
     ) -> AsyncIterator[r.WatchWorkersResponse]:
-        async for ev in self.svc.watch(request.from_revision, request.model_id):
-            yield self._event(ev)
+        async for batch in self.svc.watch(request.from_revision, request.model_id):
+            yield r.WatchWorkersResponse(
+                events=[self._event(ev) for ev in batch], sent_at_unix_ms=self.svc.clock.now_ms()
+            )
 
-    def _event(self, ev: WatchEvent) -> r.WatchWorkersResponse:
-        out = r.WatchWorkersResponse(
+    def _event(self, ev: WatchEvent) -> r.WorkerEvent:
+        out = r.WorkerEvent(
             type=cv.WATCH_TYPES[ev.type],
             revision=ev.revision,
             worker_id=ev.worker_id,
             reason=ev.reason,
-            sent_at_unix_ms=self.svc.clock.now_ms(),
         )
         if ev.record is not None:
             out.worker.CopyFrom(self._worker(ev.record))

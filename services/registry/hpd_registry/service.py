@@ -191,6 +191,7 @@ class RegistryService:
         self._pending: list[tuple[HeartbeatItem, asyncio.Future[HeartbeatResult]]] = []
         self._wake_batcher = asyncio.Event()
         self._subscribers: set[_Subscriber] = set()
+        self._subscriber_epoch = 0
         self._streams: dict[str, asyncio.Queue[Any]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._tail_client: aioredis.Redis | None = None
@@ -520,10 +521,16 @@ class RegistryService:
 
     # -- the change feed --------------------------------------------------------------------
 
-    async def watch(self, from_revision: int, model_id: str = "") -> AsyncIterator[WatchEvent]:
-        """Snapshot (or replay from a revision), then live changes, bookmarks when idle."""
+    async def watch(
+        self, from_revision: int, model_id: str = "", max_batch: int = 512
+    ) -> AsyncIterator[list[WatchEvent]]:
+        """Snapshot (or replay from a revision), then live changes, bookmarks when idle.
+
+        Yields batches: whatever is ready, up to max_batch events, in revision order.
+        """
         sub = _Subscriber(self.settings.watch_queue_max)
         self._subscribers.add(sub)
+        self._subscriber_epoch += 1
         known: set[str] = set()
 
         def wanted(ev: WatchEvent) -> bool:
@@ -537,8 +544,7 @@ class RegistryService:
                 if ev.record.spec.model_id == model_id:
                     known.add(ev.worker_id)
                     return True
-                if ev.worker_id in known:  # moved to another model: a deletion for this watcher
-                    known.discard(ev.worker_id)
+                known.discard(ev.worker_id)
                 return False
             if ev.type == WatchType.DELETE:
                 if ev.worker_id in known:
@@ -554,51 +560,72 @@ class RegistryService:
                 first = await self.store.first_feed_revision()
                 oldest_kept = first - 1 if first is not None else current
                 if last < oldest_kept or last > current:
-                    yield WatchEvent(WatchType.RESYNC, current, reason="revision_unavailable")
+                    yield [WatchEvent(WatchType.RESYNC, current, reason="revision_unavailable")]
                     last = 0
             while True:
                 if last == 0:
                     rev, records = await self.store.snapshot()
                     now = self.clock.now_ms()
                     known.clear()
+                    batch: list[WatchEvent] = []
                     for rec in records:
                         if rec.state.lease_expires_at_ms < now:
                             continue
-                        ev = WatchEvent(WatchType.SNAPSHOT, rec.revision, rec.spec.worker_id, rec)
                         if not model_id or rec.spec.model_id == model_id:
                             known.add(rec.spec.worker_id)
-                            yield ev
-                    yield WatchEvent(WatchType.SNAPSHOT_END, rev)
+                            batch.append(
+                                WatchEvent(
+                                    WatchType.SNAPSHOT, rec.revision, rec.spec.worker_id, rec
+                                )
+                            )
+                            if len(batch) == max_batch:
+                                yield batch
+                                batch = []
+                    batch.append(WatchEvent(WatchType.SNAPSHOT_END, rev))
+                    yield batch
                     last = rev
                 while True:  # catch up from the feed
-                    entries = await self.store.feed_after(last, 1000)
+                    entries = await self.store.feed_after(last, max_batch)
+                    batch = []
                     for e in entries:
                         ev = _entry_event(e)
                         last = e.revision
                         if wanted(ev):
-                            yield ev
-                    if len(entries) < 1000:
+                            batch.append(ev)
+                    if batch:
+                        yield batch
+                    if len(entries) < max_batch:
                         break
                 resync = False
                 while not resync:
-                    item = await sub.queue.get()
-                    if item is _OVERFLOW:
-                        sub.overflowed = False
-                        resync = True
-                        yield WatchEvent(WatchType.RESYNC, last, reason="watcher_fell_behind")
+                    items = [await sub.queue.get()]
+                    while len(items) < max_batch and not sub.queue.empty():
+                        items.append(sub.queue.get_nowait())
+                    batch = []
+                    for item in items:
+                        if item is _OVERFLOW:
+                            sub.overflowed = False
+                            batch = [
+                                WatchEvent(WatchType.RESYNC, last, reason="watcher_fell_behind")
+                            ]
+                            resync = True
+                            break
+                        ev = item
+                        if ev.type == WatchType.RESYNC:
+                            batch.append(ev)
+                            resync = True
+                            break
+                        if ev.type == WatchType.BOOKMARK:
+                            if not batch:  # a bookmark only says "alive" when nothing else does
+                                batch.append(replace(ev, revision=max(ev.revision, last)))
+                        elif ev.revision > last:
+                            last = ev.revision
+                            if wanted(ev):
+                                batch.append(ev)
+                    if resync:
                         last = 0
-                        break
-                    ev = item
-                    if ev.type == WatchType.RESYNC:
-                        yield ev
-                        last = 0
-                        resync = True
-                    elif ev.type == WatchType.BOOKMARK:
-                        yield replace(ev, revision=max(ev.revision, last))
-                    elif ev.revision > last:
-                        last = ev.revision
-                        if wanted(ev):
-                            yield ev
+                    if batch:
+                        yield batch
         finally:
             self._subscribers.discard(sub)
 
@@ -615,6 +642,14 @@ class RegistryService:
             try:
                 if last is None:
                     last = await self.store.revision()
+                if not self._subscribers:  # nobody watches: follow the revision, decode nothing
+                    epoch = self._subscriber_epoch
+                    current = await self.store.revision()
+                    if not self._subscribers and epoch == self._subscriber_epoch:
+                        # safe: any later subscriber catches up past `current` by itself
+                        last = current
+                        await asyncio.sleep(block_ms / 1000)
+                        continue
                 entries = await self.store.feed_block(self._tail_client, last, block_ms)
                 if entries:
                     for e in entries:

@@ -370,6 +370,7 @@ class SchedulerService:
         self._tasks: list[asyncio.Task[None]] = []
         self._registry_channel: grpc.aio.Channel | None = None
         self._bg: set[asyncio.Future[None]] = set()
+        self._stopping = False
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -386,16 +387,34 @@ class SchedulerService:
             )
 
     async def stop(self) -> None:
+        self._stopping = True
+        self._explain_wake.set()
+        self._changed.set()
         for t in self._tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._tasks:
+            # a cancel landing inside a Redis call can be absorbed by the client's retry
+            # logic; the loops also watch `_stopping`, so give them a moment to notice
+            await asyncio.wait(self._tasks, timeout=1.0)
         self._tasks = []
         with contextlib.suppress(Exception):
             await self._flush_explanations()
-        await self.informer.stop()
+        await self._stop_informer()
         await self.opener.close()
         if self._registry_channel is not None:
             await self._registry_channel.close()
+
+    async def _stop_informer(self) -> None:
+        """Stop the informer. A cancel that lands while its WatchWorkers call is open can
+        surface inside the call as an RpcError(CANCELLED), which the informer's reconnect
+        loop treats as a broken stream, so cancel until the task has really ended."""
+        task: asyncio.Task[None] | None = getattr(self.informer, "_task", None)
+        if task is None:
+            await self.informer.stop()
+            return
+        while not task.done():
+            task.cancel()
+            await asyncio.wait([task], timeout=0.2)
 
     def view_age_s(self) -> float:
         return self.informer.age_s()
@@ -447,7 +466,7 @@ class SchedulerService:
 
     async def _rebuild_loop(self) -> None:
         s = self.settings
-        while True:
+        while not self._stopping:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), s.fleet_refresh_ms / 1000)
             self._changed.clear()
@@ -489,7 +508,7 @@ class SchedulerService:
             self._set_totals(wid, totals.get(wid, _ZERO))
 
     async def _sync_loop(self) -> None:
-        while True:
+        while not self._stopping:
             try:
                 await self.sync_reservations()
             except Unavailable as exc:
@@ -662,7 +681,7 @@ class SchedulerService:
             await self.store.write_explanations(items)
 
     async def _explain_loop(self) -> None:
-        while True:
+        while not self._stopping:
             await self._explain_wake.wait()
             self._explain_wake.clear()
             try:
@@ -914,7 +933,7 @@ class SchedulerService:
         return sent
 
     async def _directive_loop(self) -> None:
-        while True:
+        while not self._stopping:
             await asyncio.sleep(self.settings.directive_interval_ms / 1000)
             if not self.ready():
                 continue

@@ -46,8 +46,9 @@ def spec(**changes: Any) -> WorkerSpec:
         hbm_gbps=0.0,
         kv_memory_total_bytes=40 * 2**30,
         max_batch_size=256,
-        kv_format=KvFormat(KvDtype.BF16, KvLayout.PAGED_NHD, 16, 32, 8, 128, 2, "flash_attn",
-                           "rev-a"),
+        kv_format=KvFormat(
+            KvDtype.BF16, KvLayout.PAGED_NHD, 16, 32, 8, 128, 2, "flash_attn", "rev-a"
+        ),
         network=NetworkLocation("z1", "r1", "h1", 200.0),
         labels=(("tier", "gold"),),
     )
@@ -87,25 +88,39 @@ BAD_SPECS = [
     pytest.param({"kv_memory_total_bytes": 0}, "capability.kv_memory_total_bytes", id="kv-mem-0"),
     pytest.param({"max_batch_size": 0}, "capability.max_batch_size", id="batch-0"),
     pytest.param({"max_batch_size": 10**6}, "capability.max_batch_size", id="batch-huge"),
-    pytest.param({"kv": {"block_size_tokens": 24}}, "capability.kv_format.block_size_tokens",
-                 id="kv-block-not-pow2"),
+    pytest.param(
+        {"kv": {"block_size_tokens": 24}},
+        "capability.kv_format.block_size_tokens",
+        id="kv-block-not-pow2",
+    ),
     pytest.param({"kv": {"num_layers": 0}}, "capability.kv_format.num_layers", id="kv-layers-0"),
     pytest.param({"kv": {"num_kv_heads": 0}}, "capability.kv_format.num_kv_heads", id="kv-heads-0"),
     pytest.param({"kv": {"head_dim": 0}}, "capability.kv_format.head_dim", id="kv-head-dim-0"),
     pytest.param({"kv": {"tp_size": 3}}, "capability.kv_format.tp_size", id="kv-tp-uneven"),
     pytest.param({"kv": {"tp_size": 1}}, "capability.kv_format.tp_size", id="kv-tp-differs"),
-    pytest.param({"kv": {"model_revision": "rev-b"}}, "capability.kv_format.model_revision",
-                 id="kv-revision-differs"),
-    pytest.param({"kv": {"attention_backend": " "}}, "capability.kv_format.attention_backend",
-                 id="kv-backend-blank"),
-    pytest.param({"network": NetworkLocation(nic_gbps=-1)}, "capability.network.nic_gbps",
-                 id="nic-negative"),
-    pytest.param({"network": NetworkLocation(zone="z" * 129)}, "capability.network.zone",
-                 id="zone-long"),
+    pytest.param(
+        {"kv": {"model_revision": "rev-b"}},
+        "capability.kv_format.model_revision",
+        id="kv-revision-differs",
+    ),
+    pytest.param(
+        {"kv": {"attention_backend": " "}},
+        "capability.kv_format.attention_backend",
+        id="kv-backend-blank",
+    ),
+    pytest.param(
+        {"network": NetworkLocation(nic_gbps=-1)}, "capability.network.nic_gbps", id="nic-negative"
+    ),
+    pytest.param(
+        {"network": NetworkLocation(zone="z" * 129)}, "capability.network.zone", id="zone-long"
+    ),
     pytest.param({"labels": (("bad key", "v"),)}, "capability.labels['bad key']", id="label-key"),
     pytest.param({"labels": (("k", "v" * 64),)}, "capability.labels['k']", id="label-value-long"),
-    pytest.param({"labels": tuple((f"k{i}", "v") for i in range(65))}, "capability.labels",
-                 id="too-many-labels"),
+    pytest.param(
+        {"labels": tuple((f"k{i}", "v") for i in range(65))},
+        "capability.labels",
+        id="too-many-labels",
+    ),
 ]
 
 
@@ -127,8 +142,11 @@ BAD_LOADS = [
     pytest.param({"gpu_util": 1.5}, "load.gpu_util", id="gpu-util-over-1"),
     pytest.param({"gpu_util": math.nan}, "load.gpu_util", id="gpu-util-nan"),
     pytest.param({"memory_util": -0.1}, "load.memory_util", id="mem-util-negative"),
-    pytest.param({"kv_blocks_free": 11, "kv_blocks_total": 10}, "load.kv_blocks_free",
-                 id="free-exceeds-total"),
+    pytest.param(
+        {"kv_blocks_free": 11, "kv_blocks_total": 10},
+        "load.kv_blocks_free",
+        id="free-exceeds-total",
+    ),
     pytest.param({"queue_depth": -1}, "load.queue_depth", id="queue-negative"),
     pytest.param({"queue_max": 10**8}, "load.queue_max", id="queue-max-huge"),
     pytest.param({"running_prefills": -2}, "load.running_prefills", id="prefills-negative"),
@@ -151,13 +169,27 @@ def test_invalid_load_names_the_field(changes: dict[str, Any], field: str) -> No
 
 
 def test_valid_load_passes() -> None:
-    validate_load("load", LoadReport(gpu_util=0.5, kv_blocks_free=5, kv_blocks_total=10,
-                                     itl_p50_ms=20, itl_p99_ms=30, reported_at_ms=NOW - 10), NOW)
+    validate_load(
+        "load",
+        LoadReport(
+            gpu_util=0.5,
+            kv_blocks_free=5,
+            kv_blocks_total=10,
+            itl_p50_ms=20,
+            itl_p99_ms=30,
+            reported_at_ms=NOW - 10,
+        ),
+        NOW,
+    )
 
 
 def state(**changes: Any) -> WorkerState:
-    base = WorkerState(registered_at_ms=NOW - 10_000, last_heartbeat_ms=NOW - 100,
-                       lease_expires_at_ms=NOW + 9_000, lease_ttl_ms=10_000)
+    base = WorkerState(
+        registered_at_ms=NOW - 10_000,
+        last_heartbeat_ms=NOW - 100,
+        lease_expires_at_ms=NOW + 9_000,
+        lease_ttl_ms=10_000,
+    )
     return replace(base, **changes)
 
 
@@ -167,18 +199,22 @@ HEALTH_CASES = [
     pytest.param({"lease_expires_at_ms": NOW}, Health.HEALTHY, id="lease-at-now-still-live"),
     pytest.param({"unhealthy": True}, Health.UNHEALTHY, id="reported-unhealthy"),
     pytest.param({"suspect": True}, Health.SUSPECT, id="flagged-suspect"),
-    pytest.param({"last_heartbeat_ms": NOW - 2 * 3333 - 1}, Health.SUSPECT,
-                 id="two-intervals-missed"),
-    pytest.param({"last_heartbeat_ms": NOW - 2 * 3333}, Health.HEALTHY,
-                 id="exactly-two-intervals-not-yet"),
+    pytest.param(
+        {"last_heartbeat_ms": NOW - 2 * 3333 - 1}, Health.SUSPECT, id="two-intervals-missed"
+    ),
+    pytest.param(
+        {"last_heartbeat_ms": NOW - 2 * 3333}, Health.HEALTHY, id="exactly-two-intervals-not-yet"
+    ),
     pytest.param({"draining": True}, Health.DRAINING, id="draining"),
     pytest.param({"cordoned": True}, Health.CORDONED, id="cordoned"),
     pytest.param({"draining": True, "cordoned": True}, Health.DRAINING, id="drain-beats-cordon"),
     pytest.param({"suspect": True, "draining": True}, Health.SUSPECT, id="suspect-beats-drain"),
-    pytest.param({"unhealthy": True, "suspect": True}, Health.UNHEALTHY,
-                 id="unhealthy-beats-suspect"),
-    pytest.param({"unhealthy": True, "lease_expires_at_ms": NOW - 1}, Health.EXPIRED,
-                 id="expired-beats-all"),
+    pytest.param(
+        {"unhealthy": True, "suspect": True}, Health.UNHEALTHY, id="unhealthy-beats-suspect"
+    ),
+    pytest.param(
+        {"unhealthy": True, "lease_expires_at_ms": NOW - 1}, Health.EXPIRED, id="expired-beats-all"
+    ),
 ]
 
 

@@ -235,20 +235,26 @@ class WatchWorkersRequest(_message.Message):
     def __init__(self, from_revision: _Optional[int] = ..., model_id: _Optional[str] = ...) -> None: ...
 
 class WatchWorkersResponse(_message.Message):
-    __slots__ = ("type", "revision", "worker_id", "worker", "reason", "sent_at_unix_ms")
+    __slots__ = ("events", "sent_at_unix_ms")
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    SENT_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[WorkerEvent]
+    sent_at_unix_ms: int
+    def __init__(self, events: _Optional[_Iterable[_Union[WorkerEvent, _Mapping]]] = ..., sent_at_unix_ms: _Optional[int] = ...) -> None: ...
+
+class WorkerEvent(_message.Message):
+    __slots__ = ("type", "revision", "worker_id", "worker", "reason")
     TYPE_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
-    SENT_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     type: WatchEventType
     revision: int
     worker_id: str
     worker: _common_pb2.Worker
     reason: str
-    sent_at_unix_ms: int
-    def __init__(self, type: _Optional[_Union[WatchEventType, str]] = ..., revision: _Optional[int] = ..., worker_id: _Optional[str] = ..., worker: _Optional[_Union[_common_pb2.Worker, _Mapping]] = ..., reason: _Optional[str] = ..., sent_at_unix_ms: _Optional[int] = ...) -> None: ...
+    def __init__(self, type: _Optional[_Union[WatchEventType, str]] = ..., revision: _Optional[int] = ..., worker_id: _Optional[str] = ..., worker: _Optional[_Union[_common_pb2.Worker, _Mapping]] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class SendDirectiveRequest(_message.Message):
     __slots__ = ("worker_id", "directive")

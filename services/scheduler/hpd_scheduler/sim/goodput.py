@@ -152,7 +152,7 @@ def _decode_opt(
     b_mem = int(kv_cap // seq_tokens) if seq_tokens > 0 else max_batch
     for b in range(1, min(max_batch, b_mem) + 1):
         step = perfmodel.decode_step_ms(
-            cluster.model, gpu, tp, b, int(round(b * ctx)), cluster.efficiency, dtype
+            cluster.model, gpu, tp, b, round(b * ctx), cluster.efficiency, dtype
         )
         if step > tpot_ms:
             break

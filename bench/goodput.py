@@ -1,0 +1,112 @@
+"""Scheduling quality: goodput of our policy against the baselines on the simulated cluster.
+
+Workload: the full Azure LLM conversation trace (19,366 requests, one hour; Patel et al.,
+"Splitwise", ISCA 2024, CC-BY 4.0), every request in the ``interactive`` tier.
+Cluster: ``data/clusters/default.yaml`` (2 x H100 prefill + 2 x A100 decode in zone a,
+1 x A100 prefill + 3 x L40S decode in zone b, a shared 25 Gb/s cross-zone link; Llama-3-8B).
+SLOs: TTFT <= 1,000 ms and TPOT <= 50 ms per request (the interactive tier's targets).
+Goodput (DistServe): the highest request rate at which >= 90 % of requests meet both SLOs,
+found by bracketing and bisecting the trace's rate scale (``hpd_scheduler.sim.goodput``).
+
+Figures: goodput of ours (the default profile), least-loaded (capacity-blind), the seed
+weights and the colocated baseline; their ratios; ours against the cluster's fluid capacity
+bound; and the wall time of one full-trace simulation at the recorded rate (scale 1).
+
+    python bench/goodput.py            # full trace (several minutes)
+    python bench/goodput.py --quick    # first 3,000 requests, coarser search (< 1 minute)
+    python bench/goodput.py --json     # one JSON object
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from hpd_common.traces import load_trace, reshape
+from hpd_scheduler.sim import SimConfig, Slo, load_cluster, simulate
+from hpd_scheduler.sim.cli import default_trace_path
+from hpd_scheduler.sim.goodput import fluid_bound
+from hpd_scheduler.sim.runner import resolve_policy, run_policy
+
+POLICIES = ("ours", "least_loaded", "seed", "colocated")
+SLO = Slo(ttft_ms=1000.0, tpot_ms=50.0)
+TIER = (("interactive", 1.0),)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="trace slice, coarse search (< 1 min)")
+    ap.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    args = ap.parse_args(argv)
+
+    trace = load_trace(default_trace_path())
+    full_n = len(trace)
+    if args.quick:
+        trace = reshape(trace, max_requests=3000)
+    cluster = load_cluster()
+    config = SimConfig(seed=0, tiers=TIER)
+    tol = 0.10 if args.quick else 0.03
+
+    # wall time of one simulation of the trace at its recorded rate, our policy
+    t0 = time.perf_counter()
+    simulate(cluster, resolve_policy("ours"), trace.requests, config)
+    sim_s = time.perf_counter() - t0
+    sim_full_s = sim_s * full_n / len(trace)
+
+    goodput: dict[str, float] = {}
+    points: dict[str, list[dict[str, float]]] = {}
+    for policy in POLICIES:
+        run = run_policy(cluster, policy, trace, SLO, config, search=True, start=4.0, rel_tol=tol)
+        goodput[policy] = run.goodput_rps or 0.0
+        points[policy] = [
+            {"rate_rps": p.rate_rps, "attainment": p.attainment}
+            for p in sorted(run.points, key=lambda p: p.rate_scale)
+        ]
+        if not args.json:
+            print(f"{policy:<13} goodput {goodput[policy]:6.2f} req/s", file=sys.stderr)
+    bound = fluid_bound(cluster, trace.requests, SLO.tpot_ms)
+
+    def ratio(a: float, b: float) -> float:
+        return a / b if b > 0 else float("inf")
+
+    ours = goodput["ours"]
+    out: dict[str, Any] = {
+        "quick": args.quick,
+        "requests": len(trace),
+        "slo_ttft_ms": SLO.ttft_ms,
+        "slo_tpot_ms": SLO.tpot_ms,
+        "goodput_rps": goodput,
+        "goodput_rps_per_gpu": {k: v / cluster.gpus for k, v in goodput.items()},
+        "goodput_requests_per_usd": {
+            k: v * 3600.0 / cluster.price_per_hour for k, v in goodput.items()
+        },
+        "fluid_bound_rps": bound.rps,
+        "goodput_vs_least_loaded": ratio(ours, goodput["least_loaded"]),
+        "goodput_vs_seed": ratio(ours, goodput["seed"]),
+        "goodput_vs_colocated": ratio(ours, goodput["colocated"]),
+        "goodput_vs_fluid_bound": ratio(ours, bound.rps),
+        "sim_seconds_full_trace": sim_full_s,
+        "sim_seconds_full_trace_measured": not args.quick,
+        "attainment_points": points,
+    }
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(f"fluid bound   {bound.rps:6.2f} req/s")
+        for key in (
+            "goodput_vs_least_loaded",
+            "goodput_vs_seed",
+            "goodput_vs_colocated",
+            "goodput_vs_fluid_bound",
+        ):
+            print(f"{key:<26} {out[key]:.2f}")
+        note = "" if not args.quick else " (extrapolated from the slice)"
+        print(f"sim_seconds_full_trace     {sim_full_s:.1f}{note}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,192 @@
+"""Shared reservations: two scheduler processes on one Redis never over-commit a worker.
+
+The two replicas run as separate OS processes (`python -m hpd_scheduler`), each with its
+own mirror of the reservations; their mirrors are refreshed only once a minute here, so
+each replica believes the decode worker is emptier than it is and only the atomic check
+in Redis stands between them and an over-commit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from hetero_pd.v1 import common_pb2 as c
+from hetero_pd.v1 import scheduler_pb2 as s
+from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
+from hpd_common.embedded_redis import EmbeddedRedis
+from hpd_scheduler.keys import SchedulerKeys
+from tests.component.test_scheduler_api import (
+    SchedulerHandle,
+    register,
+    sched,
+    start_scheduler,
+    status_of,
+    stop_scheduler,
+)
+from tests.conftest import RegistryHandle
+from tests.support.fleet import load
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+K = 5
+PER_REQUEST_BYTES = (1000 + 24) * 128 * 1024  # llama-3-8b bf16: 128 KiB per token
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture
+def replicas(redis_server: EmbeddedRedis, registry: RegistryHandle) -> Iterator[list[str]]:
+    """Two scheduler processes on the suite's Redis and the test's registry."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        str(ROOT / "services" / d) for d in ("common", "registry", "scheduler", "kvbroker")
+    )
+    procs: list[subprocess.Popen[bytes]] = []
+    targets = []
+    for i in range(2):
+        port = free_port()
+        args = [
+            sys.executable, "-m", "hpd_scheduler", "--port", str(port),
+            "--redis-url", redis_server.url, "--key-prefix", registry.prefix,
+            "--registry-target", registry.target, "--reservation-sync-interval-ms", "60000",
+            "--fleet-rebuild-interval-ms", "5", "--directive-interval-ms", "0",
+            "--scheduler-id", f"replica-{i}", "--log-level", "warning",
+        ]  # fmt: skip
+        procs.append(subprocess.Popen(args, env=env, cwd=ROOT, stdout=subprocess.DEVNULL))
+        targets.append(f"127.0.0.1:{port}")
+    try:
+        yield targets
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+async def wait_serving(target: str, timeout_s: float = 20.0) -> None:
+    async with grpc.aio.insecure_channel(target) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                resp = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            await asyncio.sleep(0.1)
+    raise AssertionError(f"{target} never became SERVING")
+
+
+async def small_decode_worker(registry: RegistryHandle) -> str:
+    wid = f"{registry.prefix}-small"
+    # room for exactly K requests of 1,024 tokens: K x 128 MiB of free KV
+    await register(
+        registry, wid, load(free=1000, total=1000), pool_id="small-decode",
+        stages=(c.STAGE_DECODE,), kv_gib=K * PER_REQUEST_BYTES / 2**30,
+    )  # fmt: skip
+    return wid
+
+
+async def held(redis_url: str, prefix: str) -> int:
+    from hpd_common import redis_conn
+
+    client = redis_conn.connect(redis_url)
+    try:
+        return int(await client.hlen(SchedulerKeys(prefix).reservations))
+    finally:
+        await client.aclose()
+
+
+async def test_two_processes_never_hold_more_than_k(
+    replicas: list[str], registry: RegistryHandle, redis_server: EmbeddedRedis
+) -> None:
+    await small_decode_worker(registry)
+    for t in replicas:
+        await wait_serving(t)
+    await asyncio.sleep(0.5)  # both views hold the worker (bookmarks keep them fresh)
+    channels = [grpc.aio.insecure_channel(t) for t in replicas]
+    stubs = [s_grpc.SchedulerServiceStub(ch) for ch in channels]
+    try:
+        calls = [
+            status_of(stubs[i % 2].Schedule(sched(f"k-{i}", prompt=1000, output=24), timeout=10))
+            for i in range(4 * K)
+        ]
+        results = await asyncio.gather(*calls)
+        ok = [resp for code, resp in results if code == grpc.StatusCode.OK]
+        codes = {code for code, _ in results}
+        assert codes <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
+        assert 1 <= len(ok) <= K
+        assert await held(redis_server.url, registry.prefix) == len(ok) <= K
+        # both replicas took part in the race
+        assert {r.plan.request_id for r in ok}
+        # an outcome gives the capacity back, to either replica
+        first = ok[0].plan.request_id
+        rel = await stubs[1].ReportOutcome(
+            s.ReportOutcomeRequest(request_id=first, success=True, ttft_ms=80, tpot_ms=20)
+        )
+        assert rel.released
+        if len(ok) == K:
+            code, _ = await status_of(stubs[0].Schedule(sched("k-after", prompt=1000, output=24)))
+            assert code == grpc.StatusCode.OK
+        assert await held(redis_server.url, registry.prefix) <= K
+    finally:
+        for ch in channels:
+            await ch.close()
+
+
+@pytest.fixture
+async def short_ttl_scheduler(
+    redis_server: EmbeddedRedis, registry: RegistryHandle
+) -> AsyncIterator[SchedulerHandle]:
+    server = await start_scheduler(
+        redis_server.url, registry.prefix, registry.target,
+        reservation_ttl_ms=600, reservation_sync_interval_ms=100,
+    )  # fmt: skip
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    try:
+        yield SchedulerHandle(
+            f"127.0.0.1:{server.port}", channel, s_grpc.SchedulerServiceStub(channel), server,
+            registry,
+        )  # fmt: skip
+    finally:
+        await channel.close()
+        await stop_scheduler(server)
+
+
+async def test_capacity_returns_when_reservations_lapse(
+    short_ttl_scheduler: SchedulerHandle, redis_server: EmbeddedRedis
+) -> None:
+    h = short_ttl_scheduler
+    wid = await small_decode_worker(h.registry)
+    await h.settle([wid])
+    results = [
+        await status_of(h.stub.Schedule(sched(f"ttl-{i}", prompt=1000, output=24), timeout=5))
+        for i in range(K + 2)
+    ]
+    granted = [code for code, _ in results if code == grpc.StatusCode.OK]
+    assert 1 <= len(granted) <= K
+    assert results[-1][0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+    await asyncio.sleep(0.9)  # past the TTL; the sync loop purges and mirrors
+    code, resp = await status_of(h.stub.Schedule(sched("ttl-late", prompt=1000, output=24)))
+    assert code == grpc.StatusCode.OK and resp.plan.decode_worker_id == wid
+    assert await held(redis_server.url, h.registry.prefix) == 1
