@@ -17,7 +17,7 @@ from hetero_pd.v1 import registry_pb2 as r
 from hpd_common.embedded_redis import EmbeddedRedis
 from hpd_common.errors import InvalidArgument
 from hpd_kvbroker.service import KvBrokerSettings, policy_from
-from tests.conftest import RegistryHandle
+from tests.conftest import RegistryHandle, external
 from tests.support.fleet import kv_format
 from tests.unit.kvbroker.harness import (
     GIB,
@@ -28,7 +28,12 @@ from tests.unit.kvbroker.harness import (
     start_broker,
 )
 
-pytestmark = pytest.mark.integration
+# These start their own broker over the suite's Redis; against a compose stack (whose
+# registry keeps its credentials in the stack's Redis) the stack's own suite covers it.
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(external("registry") is not None, reason="starts its own broker"),
+]
 
 TOKEN = "sched-secret"
 SCHED = k.SessionCaller(scheduler_token=TOKEN)

@@ -15,11 +15,16 @@ from hypothesis import strategies as st
 from hetero_pd.v1 import common_pb2 as c
 from hetero_pd.v1 import kvbroker_pb2 as k
 from hpd_common.embedded_redis import EmbeddedRedis
-from tests.conftest import RegistryHandle
+from tests.conftest import RegistryHandle, external
 from tests.support.fleet import kv_format
 from tests.unit.kvbroker.harness import GIB, BrokerHandle, caller, register, start_broker
 
-pytestmark = pytest.mark.integration
+# These start their own broker over the suite's Redis; against a compose stack (whose
+# registry keeps its credentials in the stack's Redis) the stack's own suite covers it.
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(external("registry") is not None, reason="starts its own broker"),
+]
 
 TOKEN = "tok"
 SCHED = k.SessionCaller(scheduler_token=TOKEN)

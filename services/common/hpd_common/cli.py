@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("hpd_common.up", "run the whole control plane on this machine"),
     "registry": ("hpd_registry.__main__", "run the registry service"),
     "kvbroker": ("hpd_kvbroker.__main__", "run the KV broker service"),
+    "sim": ("hpd_scheduler.sim.cli", "simulate a cluster under scheduling policies"),
     "workers": ("hpd_common.tables", "print the workers of a running registry"),
     "pools": ("hpd_common.tables", "print the pools of a running registry"),
     "sessions": ("hpd_kvbroker.tables", "print the KV transfer sessions of a running broker"),
