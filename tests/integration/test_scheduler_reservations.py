@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -51,7 +51,9 @@ def free_port() -> int:
 
 
 @pytest.fixture
-def replicas(redis_server: EmbeddedRedis, registry: RegistryHandle) -> Iterator[list[str]]:
+async def replicas(
+    redis_server: EmbeddedRedis, registry: RegistryHandle
+) -> AsyncIterator[list[str]]:
     """Two scheduler processes on the suite's Redis and the test's registry."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
@@ -67,8 +69,9 @@ def replicas(redis_server: EmbeddedRedis, registry: RegistryHandle) -> Iterator[
             "--registry-target", registry.target, "--reservation-sync-interval-ms", "60000",
             "--fleet-rebuild-interval-ms", "5", "--directive-interval-ms", "0",
             "--scheduler-id", f"replica-{i}", "--log-level", "warning",
+            "--shutdown-grace-s", "0",
         ]  # fmt: skip
-        procs.append(subprocess.Popen(args, env=env, cwd=ROOT, stdout=subprocess.DEVNULL))
+        procs.append(subprocess.Popen(args, env=env, cwd=ROOT, stdout=subprocess.DEVNULL))  # noqa: ASYNC220
         targets.append(f"127.0.0.1:{port}")
     try:
         yield targets
@@ -77,9 +80,10 @@ def replicas(redis_server: EmbeddedRedis, registry: RegistryHandle) -> Iterator[
             p.terminate()
         for p in procs:
             try:
-                p.wait(timeout=10)
+                await asyncio.to_thread(p.wait, 5)
             except subprocess.TimeoutExpired:
                 p.kill()
+                await asyncio.to_thread(p.wait, 5)
 
 
 async def wait_serving(target: str, timeout_s: float = 20.0) -> None:
@@ -120,13 +124,19 @@ async def held(redis_url: str, prefix: str) -> int:
 async def test_two_processes_never_hold_more_than_k(
     replicas: list[str], registry: RegistryHandle, redis_server: EmbeddedRedis
 ) -> None:
-    await small_decode_worker(registry)
+    wid = await small_decode_worker(registry)
     for t in replicas:
         await wait_serving(t)
-    await asyncio.sleep(0.5)  # both views hold the worker (bookmarks keep them fresh)
     channels = [grpc.aio.insecure_channel(t) for t in replicas]
     stubs = [s_grpc.SchedulerServiceStub(ch) for ch in channels]
     try:
+        for stub in stubs:  # both views hold the worker
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                recs = await stub.GetRecommendations(s.GetRecommendationsRequest(), timeout=5)
+                if wid in {w.worker_id for w in recs.workers}:
+                    break
+                await asyncio.sleep(0.05)
         calls = [
             status_of(stubs[i % 2].Schedule(sched(f"k-{i}", prompt=1000, output=24), timeout=10))
             for i in range(4 * K)
@@ -134,21 +144,24 @@ async def test_two_processes_never_hold_more_than_k(
         results = await asyncio.gather(*calls)
         ok = [resp for code, resp in results if code == grpc.StatusCode.OK]
         codes = {code for code, _ in results}
-        assert codes <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
+        odd = [r.details() for code, r in results if code not in (
+            grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED)]
+        assert not odd, odd[:3]
         assert 1 <= len(ok) <= K
         assert await held(redis_server.url, registry.prefix) == len(ok) <= K
-        # both replicas took part in the race
-        assert {r.plan.request_id for r in ok}
-        # an outcome gives the capacity back, to either replica
-        first = ok[0].plan.request_id
-        rel = await stubs[1].ReportOutcome(
-            s.ReportOutcomeRequest(request_id=first, success=True, ttft_ms=80, tpot_ms=20)
-        )
-        assert rel.released
-        if len(ok) == K:
-            code, _ = await status_of(stubs[0].Schedule(sched("k-after", prompt=1000, output=24)))
-            assert code == grpc.StatusCode.OK
-        assert await held(redis_server.url, registry.prefix) <= K
+        # outcomes give the capacity back, to either replica (the planner keeps 20%
+        # headroom over a request's KV, so with the worker full two releases are needed
+        # before a third request fits again)
+        for resp in ok[:2]:
+            rel = await stubs[1].ReportOutcome(
+                s.ReportOutcomeRequest(
+                    request_id=resp.plan.request_id, success=True, ttft_ms=80, tpot_ms=20
+                )
+            )
+            assert rel.released
+        code, _ = await status_of(stubs[0].Schedule(sched("k-after", prompt=1000, output=24)))
+        assert code == grpc.StatusCode.OK
+        assert await held(redis_server.url, registry.prefix) == len(ok) - 1 <= K
     finally:
         for ch in channels:
             await ch.close()

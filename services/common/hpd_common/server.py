@@ -206,7 +206,10 @@ class GrpcServer:
             await self.health.enter_graceful_shutdown()
         if self._server is not None:
             await self._server.stop(grace)
-        await self.component.stop()
+        try:
+            await asyncio.wait_for(self.component.stop(), timeout=grace + 5)
+        except TimeoutError:
+            log.warning("component_stop_timed_out", service=self.name)
         log.info("server_stopped", service=self.name)
 
 

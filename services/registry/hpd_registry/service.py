@@ -219,12 +219,14 @@ class RegistryService:
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._tasks:  # bounded: a task stuck on a dead connection must not block shutdown
+            await asyncio.wait(self._tasks, timeout=3)
         for q in list(self._streams.values()):
             with contextlib.suppress(asyncio.QueueFull):
                 q.put_nowait(_END)
         if self._tail_client is not None:
-            await self._tail_client.aclose()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._tail_client.aclose(), 2)
 
     @property
     def heartbeat_interval_ms(self) -> int:
@@ -709,4 +711,4 @@ class RegistryService:
                 await asyncio.sleep(0.5)
             finally:
                 with contextlib.suppress(Exception):
-                    await pubsub.aclose()
+                    await asyncio.wait_for(pubsub.aclose(), 1)

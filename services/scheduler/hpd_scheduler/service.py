@@ -564,6 +564,7 @@ class SchedulerService:
         except InvalidInputError as exc:
             raise InvalidArgument(exc.field, exc.message) from None
         fleet = self.fleet()
+        resynced = False
         for _ in range(s.max_plan_attempts):
             now_ms = self.clock.now_ms()
             try:
@@ -571,6 +572,12 @@ class SchedulerService:
             except InvalidInputError as exc:
                 raise InvalidArgument(exc.field, exc.message) from None
             plan, chain = decision.plan, decision.fallbacks
+            if plan is None and self._worth_resync(decision, resynced):
+                # our mirror may hold reservations another replica has since released:
+                # read the totals once (refusal path only) and plan again
+                resynced = True
+                await self.sync_reservations()
+                continue
             if plan is None:
                 head = head_of(decision, req, tier.name, now_ms, self.scheduler_id)
                 try:
@@ -612,6 +619,10 @@ class SchedulerService:
                 decision, req, tier.name, now_ms, self.scheduler_id, plan, chain,
                 session, mode_reason, now_ms + s.reservation_ttl_ms,
             )  # fmt: skip
+            # count the reservation in the snapshot while the script runs, so concurrent
+            # requests planned meanwhile see it (a burst spreads); undone when the script
+            # answers, and replaced by the totals it returns
+            self._provisional(fleet, ask, +1)
             try:
                 res = await self.store.reserve_and_record(
                     req.request_id, head, decision.kind.value, ask, now_ms,
@@ -621,6 +632,9 @@ class SchedulerService:
                 if session:
                     self._background(self.opener.abort(session, "reservation_failed"))
                 raise
+            finally:
+                self._provisional(fleet, ask, -1)
+            fleet = self.fleet()
             if res.status is ReserveStatus.REPLAY:
                 prior = (res.head or {}).get("plan") or {}
                 if session and prior.get("kv_session_id") != session:
@@ -629,6 +643,7 @@ class SchedulerService:
                 return ScheduleResult(res.head or head, True)
             self._mirror(ask, res.decode, res.prefill_tokens)
             if res.status is ReserveStatus.FULL:
+                resynced = True  # the script just told us the worker's true totals
                 metrics.RESERVATION_CONFLICTS.inc()
                 if session:
                     self._background(self.opener.abort(session, "decode_worker_full"))
@@ -646,6 +661,21 @@ class SchedulerService:
         task = asyncio.ensure_future(coro)
         self._bg.add(task)
         task.add_done_callback(self._bg.discard)
+
+    @staticmethod
+    def _provisional(fleet: Fleet, ask: ReservationAsk, sign: int) -> None:
+        op = fleet.reserve if sign > 0 else fleet.release
+        same = ask.prefill_worker_id == ask.decode_worker_id
+        op(ask.decode_worker_id, ask.kv_bytes, ask.prefill_tokens if same else 0, 1)
+        if not same and ask.prefill_tokens:
+            op(ask.prefill_worker_id, 0, ask.prefill_tokens, 0)
+
+    def _worth_resync(self, decision: Decision, resynced: bool) -> bool:
+        return (
+            not resynced
+            and bool(self._totals)
+            and decision.reject_class != RejectClass.NO_CAPABLE_WORKER
+        )
 
     def _mirror(self, ask: ReservationAsk, decode: Totals, prefill_tokens: int) -> None:
         dw, pw = ask.decode_worker_id, ask.prefill_worker_id

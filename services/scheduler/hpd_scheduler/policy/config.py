@@ -44,6 +44,7 @@ __all__ = [
     "PRESELECT_MODES",
     "Profile",
     "SideSpec",
+    "SloObjective",
     "builtin_profile",
     "builtin_profile_names",
     "load_profile",
@@ -96,6 +97,7 @@ _TOP_KEYS = {
     "tiers",
     "chain_length",
     "description",
+    "slo_objective",
 }
 
 
@@ -114,6 +116,32 @@ class SideSpec:
     def weights(self) -> dict[str, float]:
         """Weight per scorer instance name."""
         return {s.name: w for s, w in self.scorers}
+
+
+@dataclass(frozen=True, slots=True)
+class SloObjective:
+    """Rank pairs by the SLOs they are predicted to keep before the weighted score.
+
+    With it, every joint option's TTFT estimate is the whole path (prefill queue wait in ms
+    of that worker's own work + prefill + hand-off + the decode worker's admission wait,
+    ``WorkerState.admission_wait_ms``) and its TPOT estimate is the decode worker's
+    predicted step with the request admitted (``Candidate.step_ms``). An option *keeps*
+    the TTFT target when ``ttft_est <= ttft_fraction x tier.ttft_ms`` and the TPOT target
+    when ``tpot_est <= tpot_fraction x tier.tpot_ms``; its final score is
+    ``(q + targets kept) / 3`` with ``q`` in [0, 1] (below), so an option predicted to keep
+    both SLOs always beats one predicted to miss one, whatever their factor scores (the
+    factors only order options of equal standing). Fractions below 1 keep a margin for what
+    the estimates cannot see (arrivals bursting behind the request, sequences joining the
+    batch later).
+    ``slack_weight`` ``s`` blends the TTFT slack into the order within a standing:
+    ``q = (1 - s) x weighted score + s x T / (T + ttft_est)``, ``T`` the tier's
+    TTFT target, so of two options that both keep their SLOs the one leaving more headroom
+    for the next burst is preferred (0: the weighted factors alone).
+    Absent (the seed and the baselines): options are ranked by the weighted score alone."""
+
+    ttft_fraction: float = 1.0
+    tpot_fraction: float = 1.0
+    slack_weight: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -142,6 +170,7 @@ class Profile:
     tiers: Mapping[str, Tier] = field(default_factory=lambda: dict(DEFAULT_TIERS))
     default_tier: str = "standard"
     chain_length: int = 3
+    slo_objective: SloObjective | None = None
 
     def tier(self, name: str) -> Tier:
         """The tier called ``name`` ('' = the default tier); InvalidInputError if unknown."""
@@ -354,6 +383,21 @@ def parse_profile(doc: Any, registry: PluginRegistry = REGISTRY, root: str = "")
         default_tier = str(traw.get("default", default_tier))
         _req(default_tier in tiers, f"{p}tiers.default", f"no tier named {default_tier!r}")
 
+    slo_objective: SloObjective | None = None
+    if data.get("slo_objective") is not None:
+        sraw = _map(data["slo_objective"], f"{p}slo_objective")
+        fractions: dict[str, float] = {}
+        for k, v in sraw.items():
+            path = f"{p}slo_objective.{k}"
+            _req(k in {"ttft_fraction", "tpot_fraction", "slack_weight"}, path, "unknown key")
+            f = _num(v, path)
+            if k == "slack_weight":
+                _req(0 <= f <= 1, path, "must be in [0, 1]")
+            else:
+                _req(0 < f <= 4, path, "must be in (0, 4]")
+            fractions[str(k)] = f
+        slo_objective = SloObjective(**fractions)
+
     return Profile(
         name=str(name),
         prefill=prefill,
@@ -371,6 +415,7 @@ def parse_profile(doc: Any, registry: PluginRegistry = REGISTRY, root: str = "")
         tiers=tiers,
         default_tier=default_tier,
         chain_length=_int(data, "chain_length", 3, p.rstrip(".") or "profile", 0),
+        slo_objective=slo_objective,
     )
 
 

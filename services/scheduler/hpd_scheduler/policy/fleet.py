@@ -137,6 +137,37 @@ class WorkerState:
         """This worker's time to prefill ``tokens`` (observed-corrected)."""
         return self.cap.prefill_ms(tokens) * self.m_p
 
+    def admission_wait_ms(self, kv_need: int, seq_steps: float) -> float:
+        """Expected wait, in ms, before a new sequence gets a decode slot on this worker.
+
+        Continuous batching admits a sequence only while the batch is below
+        ``max_batch_size`` and its KV fits; otherwise it waits for running sequences to
+        finish. With ``B`` sequences running, each living about ``L = seq_steps`` decode
+        steps, about ``B / L`` finish per step (steady state), so
+
+        * slots: ``deficit = B + Q + 1 - max_batch`` (``Q``: sequences queued or routed
+          here ahead of this one) waits ``deficit x L / B`` steps;
+        * memory: ``deficit = kv_need - free KV`` (free after reservations) waits
+          ``deficit / (used KV / L)`` steps, since finishing sequences free ``used / L``
+          bytes per step;
+
+        the larger of the two, times the worker's current step (``step_ms()``). 0 when the
+        sequence fits now. Seed 001 has no such term: its batch factor packs sequences toward
+        70 % of the cap and its TTFT ignores the wait a full batch imposes."""
+        b = max(self.batch, 0)
+        running = max(b, 1)
+        steps = 0.0
+        cap = self.view.max_batch_size
+        if cap > 0:
+            slot_deficit = b + self.queue_depth() + 1 - cap
+            if slot_deficit > 0:
+                steps = slot_deficit * seq_steps / running
+        free = self.available_kv()
+        if kv_need > free:
+            used = max(self.kv_total - self.kv_avail, 1)
+            steps = max(steps, (kv_need - free) * seq_steps / used)
+        return steps * self.step_ms() if steps > 0 else 0.0
+
     def step_ms(self, extra_context_tokens: float = 0.0) -> float:
         """Predicted decode step (ITL) in ms with ``extra_context_tokens`` more KV resident:
         ``(weights read + context x kv ms/token) x m_d``."""

@@ -23,6 +23,9 @@ Stages of :meth:`Planner.plan`:
    * ``independent`` (seed and the baselines): prefill ranked alone (link unknown: the
      seed's 0.5), then decode ranked with the chosen prefill worker's link;
    * ``colocated``: only local options on workers serving both stages;
+   * with the profile's ``slo_objective`` (ours; ``config.SloObjective``), joint options
+     then get the whole-path TTFT (+ the decode worker's admission wait) and are ranked by
+     the SLO targets they are predicted to keep before the weighted factors;
 
 6. drop options above the tier's hard TTFT limit; rank the rest with the picker; apply the
    ladder: throttle (refuse tiers that may be throttled, with a retry delay), lower the
@@ -39,7 +42,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from .config import Profile
+from .config import Profile, SloObjective
 from .decision import (
     Decision,
     DecisionRecord,
@@ -386,9 +389,11 @@ class Planner:
         fleet = ctx.fleet
         prompt = ctx.request.prompt_tokens
         pair_score = self._pair_score
+        slo = self.profile.slo_objective
         options: list[Option] = []
         for d in dcands:
             dws = d.ws
+            first = len(options)
             recompute_ms = d.run_ms  # the decode worker's own prefill time for the prompt
             # a worker serving both stages always offers SAME_POOL; a decode-only worker
             # recomputes only when some pair's KV cannot reach it faster (seed rule)
@@ -426,6 +431,8 @@ class Planner:
                     local.mode = Mode.SAME_POOL
                 pair_score(local, _handoff_cost(local), ctx, wp, wd)
                 options.append(local)
+            if slo is not None and len(options) > first:
+                _apply_slo(options, first, d, ctx, slo)
         return options
 
     def _independent(
@@ -583,6 +590,41 @@ class Planner:
             retry_after_ms=retry,
             record=record,
         )
+
+
+def _apply_slo(
+    options: list[Option],
+    first: int,
+    d: Candidate,
+    ctx: RequestContext,
+    slo: SloObjective,
+) -> None:
+    """The SLO objective (``config.SloObjective``) on the options ``options[first:]``, which
+    all decode on ``d``: add the decode admission wait to each TTFT estimate, then
+    ``score = ((1 - s) score + s T / (T + ttft) + targets kept) / 3``.
+
+    The admission wait overlaps the prefill for a transfer (the decode worker frees slots
+    while the prefill worker works): ``ttft = wait_p + prefill + max(0, admit - wait_p -
+    prefill) + hand-off``. A local prefill (RECOMPUTE, SAME_POOL) starts only once admitted:
+    ``ttft = admit + wait + prefill``."""
+    tier = ctx.tier
+    req = ctx.request
+    admit = d.ws.admission_wait_ms(d.kv_need, float(max(req.expected_output_tokens, 16)))
+    target = tier.ttft_ms
+    ttft_limit = target * slo.ttft_fraction
+    tpot_ok = 1.0 if d.step_ms <= tier.tpot_ms * slo.tpot_fraction else 0.0
+    s = slo.slack_weight
+    for i in range(first, len(options)):
+        o = options[i]
+        if admit > 0:
+            if o.mode is Mode.TRANSFER:
+                ahead = o.p.wait_ms + o.p.run_ms
+                o.ttft_ms += max(0.0, admit - ahead)
+            else:
+                o.ttft_ms += admit
+        kept = tpot_ok + (1.0 if o.ttft_ms <= ttft_limit else 0.0)
+        slack = target / (target + max(o.ttft_ms, 0.0))
+        o.score = ((1.0 - s) * o.score + s * slack + kept) / 3.0
 
 
 def _handoff_cost(o: Option) -> float:

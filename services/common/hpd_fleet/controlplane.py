@@ -1,0 +1,144 @@
+"""The whole control plane (registry, KV broker, scheduler) in this process, over one Redis.
+
+The servers are the real ones (each service's ``build_server``), started in dependency
+order so that a port of 0 works: the registry first (the others watch it), then the broker,
+then the scheduler (which opens sessions at the broker). Used by ``hpd demo`` and the
+end-to-end tests; ``hpd up`` runs the same services for a long-lived deployment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+from hpd_common import redis_conn
+from hpd_common.server import GrpcServer
+
+__all__ = ["ControlPlane", "ControlPlaneSettings"]
+
+
+@dataclass(frozen=True, slots=True)
+class ControlPlaneSettings:
+    """Ports (0 = any free port), the Redis, and the few timings a fast demo shortens.
+
+    ``lease_ttl_ms`` is the registry's default worker lease; a killed worker is noticed when
+    it lapses (plus one ``sweep_interval_ms``). ``staleness_bound_ms``: how old the
+    scheduler's fleet view may get before Schedule answers UNAVAILABLE.
+    """
+
+    redis_url: str
+    host: str = "127.0.0.1"
+    registry_port: int = 0
+    scheduler_port: int = 0
+    kvbroker_port: int = 0
+    key_prefix: str = "hpd"
+    lease_ttl_ms: int = 3_000
+    sweep_interval_ms: int = 200
+    bookmark_interval_ms: int = 250
+    staleness_bound_ms: int = 5_000
+    session_lease_ttl_ms: int = 5_000
+    session_deadline_ms: int = 30_000
+    profile: str = "default"
+    directive_interval_ms: int = 2_000
+    log_level: str = "warning"
+    scheduler_extra: dict[str, object] = field(default_factory=dict)
+
+
+class ControlPlane:
+    """Start with :meth:`start`, stop with :meth:`stop`; targets are ``host:port``."""
+
+    def __init__(self, settings: ControlPlaneSettings) -> None:
+        self.settings = settings
+        self.registry: GrpcServer | None = None
+        self.kvbroker: GrpcServer | None = None
+        self.scheduler: GrpcServer | None = None
+
+    def _target(self, server: GrpcServer | None) -> str:
+        if server is None:
+            raise RuntimeError("control plane not started")
+        return f"{self.settings.host}:{server.port}"
+
+    @property
+    def registry_target(self) -> str:
+        return self._target(self.registry)
+
+    @property
+    def kvbroker_target(self) -> str:
+        return self._target(self.kvbroker)
+
+    @property
+    def scheduler_target(self) -> str:
+        return self._target(self.scheduler)
+
+    @property
+    def servers(self) -> list[GrpcServer]:
+        return [x for x in (self.registry, self.kvbroker, self.scheduler) if x is not None]
+
+    async def start(self) -> None:
+        from hpd_kvbroker.__main__ import build_server as build_kvbroker
+        from hpd_kvbroker.service import KvBrokerSettings
+        from hpd_registry.__main__ import build_server as build_registry
+        from hpd_registry.service import RegistrySettings
+        from hpd_scheduler.__main__ import build_server as build_scheduler
+        from hpd_scheduler.service import SchedulerSettings
+
+        s = self.settings
+        self.registry = build_registry(
+            RegistrySettings(
+                host=s.host,
+                port=s.registry_port,
+                redis_url=s.redis_url,
+                key_prefix=s.key_prefix,
+                lease_ttl_ms=s.lease_ttl_ms,
+                min_lease_ttl_ms=min(300, s.lease_ttl_ms),
+                sweep_interval_ms=s.sweep_interval_ms,
+                bookmark_interval_ms=s.bookmark_interval_ms,
+                log_level=s.log_level,
+            ),
+            redis_conn.connect(s.redis_url),
+        )
+        await self.registry.start()
+        self.kvbroker = build_kvbroker(
+            KvBrokerSettings(
+                host=s.host,
+                port=s.kvbroker_port,
+                redis_url=s.redis_url,
+                key_prefix=s.key_prefix,
+                registry_key_prefix=s.key_prefix,
+                registry_target=self.registry_target,
+                lease_ttl_ms=s.session_lease_ttl_ms,
+                default_deadline_ms=s.session_deadline_ms,
+                sweep_interval_ms=s.sweep_interval_ms,
+                log_level=s.log_level,
+            ),
+            redis_conn.connect(s.redis_url),
+        )
+        await self.kvbroker.start()
+        self.scheduler = build_scheduler(
+            SchedulerSettings(
+                host=s.host,
+                port=s.scheduler_port,
+                redis_url=s.redis_url,
+                key_prefix=s.key_prefix,
+                registry_target=self.registry_target,
+                broker_target=self.kvbroker_target,
+                staleness_bound_ms=s.staleness_bound_ms,
+                profile=s.profile,
+                directive_interval_ms=s.directive_interval_ms,
+                informer_max_backoff_ms=500,
+                scheduler_id="demo",
+                log_level=s.log_level,
+                **s.scheduler_extra,  # type: ignore[arg-type]
+            ),
+            redis_conn.connect(s.redis_url),
+        )
+        await self.scheduler.start()
+
+    async def stop(self) -> None:
+        for server in reversed(self.servers):
+            with contextlib.suppress(Exception):
+                await server.stop(0)
+            if server.redis is not None:
+                with contextlib.suppress(Exception):
+                    await server.redis.aclose()
+        self.registry = self.kvbroker = self.scheduler = None

@@ -1,0 +1,501 @@
+"""`hpd demo`: the control plane, an emulated heterogeneous fleet and a trace replay, in one
+command, on a machine without GPUs.
+
+It starts an embedded Redis (a private ``redis-server`` with an append-only file in a fresh
+state directory; ``--redis-url`` uses yours instead), the registry, KV broker and scheduler
+in this process, the fleet of ``--cluster`` (default: the package's ``demo_cluster.yaml``),
+then replays ``--duration`` seconds of ``--trace`` (default: the Azure conversation trace)
+at ``--rate-scale`` x its rate, ``--time-scale`` x faster than real time. It shows a live
+progress bar and per-pool table, prints a report per tier, cross-checks the report against
+the route records in Redis (``ListRouteRecords``), writes ``report.json`` (and PNG plots when
+matplotlib is installed) under ``--out``, and keeps the services up for grpcurl until Ctrl-C
+(``--no-serve``: exit after the report).
+
+Exit status: 0 when every request was accounted for (completed, or rejected / failed with a
+reason; none lost, none twice) and the route records agree; 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import grpc
+
+from hetero_pd.v1 import kvbroker_pb2 as kb
+from hetero_pd.v1 import kvbroker_pb2_grpc as kb_grpc
+from hetero_pd.v1 import scheduler_pb2 as s
+from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
+from hpd_common.clock import SystemClock
+from hpd_common.embedded_redis import EmbeddedRedis
+from hpd_common.logging import configure_logging, get_logger
+from hpd_common.traces import Trace, load_trace, reshape
+from hpd_scheduler.sim.cluster import ClusterSpec, load_cluster
+from hpd_scheduler.sim.metrics import Slo
+
+from .client import ClientTiming
+from .controlplane import ControlPlane, ControlPlaneSettings
+from .engine import EmuTime
+from .faults import Fault, FaultInjector, parse_fault
+from .fleet import Fleet, default_cluster_path
+from .gateway import DECISION_NAMES, Gateway, GatewayConfig, RequestRecord
+from .live import LiveView
+from .report import build_report, format_report, plot_report, write_report
+
+__all__ = ["DemoOptions", "DemoResult", "main", "parser", "reconcile", "run_demo"]
+
+log = get_logger("demo")
+
+
+def default_trace_path() -> Path:
+    """``data/traces/azure_llm_2023_conv.csv`` of the source tree (from this file, then the
+    working directory)."""
+    rel = Path("data") / "traces" / "azure_llm_2023_conv.csv"
+    for parent in Path(__file__).resolve().parents:
+        if (parent / rel).is_file():
+            return parent / rel
+    return Path.cwd() / rel
+
+
+@dataclass(frozen=True, slots=True)
+class DemoOptions:
+    """Everything a demo run needs besides the Redis (see :func:`parser` for meanings)."""
+
+    trace: Path
+    cluster: Path
+    rate_scale: float = 1.0
+    duration_s: float = 30.0
+    time_scale: float = 1.0
+    max_requests: int | None = None
+    seed: int = 7
+    out: Path | None = None
+    serve: bool = False
+    live: bool = True
+    host: str = "127.0.0.1"
+    registry_port: int = 0
+    scheduler_port: int = 0
+    kvbroker_port: int = 0
+    key_prefix: str = "hpd"
+    lease_ttl_ms: int = 3_000
+    report_interval_s: float = 0.25
+    faults: tuple[Fault, ...] = ()
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    log_level: str = "warning"
+
+
+@dataclass(frozen=True, slots=True)
+class DemoResult:
+    """What a run produced: the report dict, the request records, the exit status."""
+
+    report: dict[str, Any]
+    records: list[RequestRecord]
+    status: int
+    route: list[s.RouteRecord] = field(default_factory=list)
+    sessions: dict[str, list[kb.KvSession]] = field(default_factory=dict)
+    """The broker's sessions of each killed worker, as they ended."""
+
+
+async def list_route_records(
+    stub: s_grpc.SchedulerServiceStub, since_ms: int, prefix: str
+) -> list[s.RouteRecord]:
+    """Every route record created since ``since_ms`` whose request id starts with ``prefix``."""
+    out: list[s.RouteRecord] = []
+    token = ""
+    while True:
+        resp = await stub.ListRouteRecords(
+            s.ListRouteRecordsRequest(since_unix_ms=since_ms, page_size=1000, page_token=token),
+            timeout=10,
+        )
+        out += [r for r in resp.records if r.request_id.startswith(prefix)]
+        token = resp.next_page_token
+        if not token:
+            return out
+
+
+def reconcile(records: Sequence[RequestRecord], route: Sequence[s.RouteRecord]) -> dict[str, Any]:
+    """Compare the gateway's records with the scheduler's route records, request by request.
+
+    Expected: a request that was planned (completed or failed) has a PRIMARY or REROUTE
+    record carrying an outcome with the same success; a request the scheduler refused
+    (reason other than ``unavailable``) has a REJECT record; a request rejected as
+    ``unavailable`` has none; and no route record names a request the gateway never sent.
+    """
+    by_id = {r.request_id: r for r in route}
+    mismatches: list[str] = []
+    for rec in records:
+        rr = by_id.get(rec.request_id)
+        decision = DECISION_NAMES.get(rr.decision, "") if rr is not None else ""
+        if rec.status in ("completed", "failed"):
+            if rr is None or decision not in ("primary", "reroute"):
+                mismatches.append(f"{rec.request_id}: {rec.status} but record {decision or 'none'}")
+            elif not rr.HasField("outcome"):
+                mismatches.append(f"{rec.request_id}: {rec.status} but no outcome on the record")
+            elif rr.outcome.success != (rec.status == "completed"):
+                mismatches.append(f"{rec.request_id}: outcome success {rr.outcome.success}")
+        elif rec.reason == "unavailable":
+            if rr is not None and decision != "reject":
+                mismatches.append(f"{rec.request_id}: unavailable but planned ({decision})")
+        elif rr is None or decision != "reject":
+            mismatches.append(f"{rec.request_id}: rejected but record {decision or 'none'}")
+    known = {r.request_id for r in records}
+    strays = [rid for rid in by_id if rid not in known]
+    mismatches += [f"{rid}: route record without a request" for rid in strays]
+    counts: dict[str, int] = {}
+    for r in route:
+        d = DECISION_NAMES.get(r.decision, "unspecified")
+        counts[d] = counts.get(d, 0) + 1
+    return {
+        "route_records": len(route),
+        "by_decision": counts,
+        "with_outcome": sum(r.HasField("outcome") for r in route),
+        "outcome_success": sum(r.HasField("outcome") and r.outcome.success for r in route),
+        "mismatches": mismatches[:20],
+        "agree": not mismatches,
+    }
+
+
+async def _wait_fleet_seen(cp: ControlPlane, worker_ids: Sequence[str], timeout_s: float) -> None:
+    """Until the in-process scheduler's fleet view holds every worker with a load report."""
+    svc: Any = cp.scheduler.component.service  # type: ignore[union-attr]
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while loop.time() < deadline:
+        seen = svc.informer.workers
+        if all(w in seen and seen[w].load is not None for w in worker_ids):
+            svc.rebuild()
+            return
+        await asyncio.sleep(0.05)
+    raise TimeoutError(f"the scheduler did not see the fleet within {timeout_s} s")
+
+
+async def _tiers(stub: s_grpc.SchedulerServiceStub) -> dict[str, Slo]:
+    resp = await stub.GetPolicy(s.GetPolicyRequest(), timeout=5)
+    return {t.name: Slo(t.ttft_ms, t.tpot_ms) for t in resp.policy.tiers}
+
+
+async def run_demo(
+    opts: DemoOptions,
+    redis_url: str,
+    redis: EmbeddedRedis | None = None,
+    out: TextIO | None = None,
+    stop_event: asyncio.Event | None = None,
+) -> DemoResult:
+    """One demo run against ``redis_url`` (``redis``: the embedded server, needed by the
+    stop_redis fault). Returns the report; serves until ``stop_event`` when ``opts.serve``."""
+    out = out or sys.stdout
+    rng = random.Random(opts.seed)
+    cluster: ClusterSpec = load_cluster(opts.cluster)
+    trace: Trace = reshape(
+        load_trace(opts.trace),
+        rate_scale=opts.rate_scale,
+        duration_s=opts.duration_s,
+        max_requests=opts.max_requests,
+        time_scale=opts.time_scale,
+    )
+    clock = SystemClock()
+    cp = ControlPlane(
+        ControlPlaneSettings(
+            redis_url=redis_url,
+            host=opts.host,
+            registry_port=opts.registry_port,
+            scheduler_port=opts.scheduler_port,
+            kvbroker_port=opts.kvbroker_port,
+            key_prefix=opts.key_prefix,
+            lease_ttl_ms=opts.lease_ttl_ms,
+            log_level=opts.log_level,
+        )
+    )
+    await cp.start()
+    channels = [
+        grpc.aio.insecure_channel(t)
+        for t in (cp.registry_target, cp.kvbroker_target, cp.scheduler_target)
+    ]
+    reg_ch, kb_ch, sch_ch = channels
+    emu = EmuTime(opts.time_scale, time.monotonic, asyncio.sleep, start=time.monotonic())
+    fleet = Fleet(
+        cluster,
+        reg_ch,
+        kb_ch,
+        emu,
+        clock,
+        random.Random(rng.random()),
+        lease_ttl_ms=opts.lease_ttl_ms,
+        timing=ClientTiming(report_interval_s=opts.report_interval_s),
+    )
+    stub = s_grpc.SchedulerServiceStub(sch_ch)
+    live: LiveView | None = None
+    try:
+        await fleet.start()
+        await _wait_fleet_seen(cp, list(fleet.workers), timeout_s=15)
+        tier_slos = await _tiers(stub)
+        mix = tuple((t, w) for t, w in opts.gateway.tier_mix if t in tier_slos) or tuple(
+            (t, 1.0) for t in tier_slos
+        )
+        run_id = f"demo{clock.now_ms() % 10**10:010d}"
+        gateway = Gateway(
+            sch_ch,
+            fleet,
+            emu,
+            random.Random(rng.random()),
+            GatewayConfig(
+                **{**_config_dict(opts.gateway), "tier_mix": mix, "model_id": cluster.model.name}
+            ),
+            run_id=run_id,
+        )
+        print(
+            f"hpd demo: {len(fleet.workers)} emulated workers in {len(fleet.pools())} pools "
+            f"({cluster.gpus} GPUs, ${cluster.price_per_hour:.2f}/h assumed); replaying "
+            f"{len(trace)} requests of {Path(opts.trace).name} over {opts.duration_s:g} s "
+            f"(rate x{opts.rate_scale:g}, time x{opts.time_scale:g})",
+            file=out,
+            flush=True,
+        )
+        injector = FaultInjector(
+            fleet,
+            gateway,
+            stop_redis=(lambda: asyncio.to_thread(redis.stop)) if redis is not None else None,
+            start_redis=(lambda: _restart(redis)) if redis is not None else None,
+        )
+        if opts.live:
+            live = LiveView(gateway, fleet, out)
+            live.start()
+        since_ms = clock.now_ms() - 1_000
+        emu_start = emu.now_ms()
+        fault_task = asyncio.create_task(injector.run(list(opts.faults)))
+        records = await gateway.run(trace)
+        await fault_task
+        replay_s = (emu.now_ms() - emu_start) / 1000.0
+        if live is not None:
+            await live.stop()
+            live = None
+        await asyncio.sleep(0.3)  # the last outcomes land in Redis
+        route = await _route_records(stub, since_ms, run_id)
+        check = reconcile(records, route)
+        sessions = await _killed_sessions(kb_grpc.KvBrokerServiceStub(kb_ch), fleet)
+        report = build_report(
+            records,
+            tier_slos,
+            replay_s,
+            cluster.price_per_hour,
+            extra={
+                "run_id": run_id,
+                "trace": Path(opts.trace).name,
+                "cluster": cluster.name,
+                "rate_scale": opts.rate_scale,
+                "time_scale": opts.time_scale,
+                "duration_s": opts.duration_s,
+                "faults": injector.applied,
+                "schedule_retries_while_unavailable": gateway.stats.unavailable_retries,
+                "route_records": check,
+                "killed_worker_sessions": {
+                    wid: dict(
+                        collections.Counter(
+                            f"{kb.SessionState.Name(x.state)}: {x.reason.split(':')[0]}" for x in ss
+                        )
+                    )
+                    for wid, ss in sessions.items()
+                },
+                "workers": {
+                    w.worker_id: {
+                        "pool": w.view.pool_id,
+                        "gpu": w.view.gpu_profile,
+                        "killed": w.killed,
+                        "registrations": w.client.registrations,
+                        "directives": len(w.client.directives),
+                    }
+                    for w in fleet
+                },
+            },
+        )
+        status = 0 if report["accounting"]["accounted"] and check["agree"] else 1
+        print("", file=out)
+        print(format_report(report), file=out)
+        verdict = (
+            "agree with the report"
+            if check["agree"]
+            else "DISAGREE: " + "; ".join(check["mismatches"][:3])
+        )
+        print(f"route records in Redis: {check['route_records']} ({verdict})", file=out)
+        if opts.out is not None:
+            path = write_report(report, records, opts.out)
+            print(f"report: {path}", file=out)
+            print(plot_report(records, report, opts.out), file=out)
+        out.flush()
+        if opts.serve:
+            print(
+                f"\nserving: registry {cp.registry_target}, scheduler {cp.scheduler_target}, "
+                f"kvbroker {cp.kvbroker_target}; try\n"
+                f"  grpcurl -plaintext {cp.scheduler_target} list\n"
+                f"  grpcurl -plaintext -d '{{\"page_size\": 5}}' {cp.scheduler_target} "
+                "hetero_pd.v1.SchedulerService/ListRouteRecords\n"
+                "Ctrl-C to stop",
+                file=out,
+                flush=True,
+            )
+            await (stop_event or asyncio.Event()).wait()
+        return DemoResult(report, records, status, route, sessions)
+    finally:
+        if live is not None:
+            await live.stop()
+        await fleet.stop()
+        for ch in channels:
+            await ch.close()
+        await cp.stop()
+
+
+async def _route_records(
+    stub: s_grpc.SchedulerServiceStub, since_ms: int, prefix: str
+) -> list[s.RouteRecord]:
+    for attempt in range(20):
+        try:
+            return await list_route_records(stub, since_ms, prefix)
+        except grpc.aio.AioRpcError:
+            if attempt == 19:
+                raise
+            await asyncio.sleep(0.5)
+    return []
+
+
+async def _killed_sessions(
+    stub: kb_grpc.KvBrokerServiceStub, fleet: Fleet
+) -> dict[str, list[kb.KvSession]]:
+    out: dict[str, list[kb.KvSession]] = {}
+    for w in fleet:
+        if not w.killed:
+            continue
+        found: list[kb.KvSession] = []
+        token = ""
+        while True:
+            resp = await stub.ListSessions(
+                kb.ListSessionsRequest(worker_id=w.worker_id, page_size=1000, page_token=token),
+                timeout=10,
+            )
+            found += list(resp.sessions)
+            token = resp.next_page_token
+            if not token:
+                break
+        out[w.worker_id] = found
+    return out
+
+
+async def _restart(redis: EmbeddedRedis) -> None:
+    await asyncio.to_thread(redis.start)
+
+
+def _config_dict(cfg: GatewayConfig) -> dict[str, Any]:
+    return {k: getattr(cfg, k) for k in cfg.__slots__}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="hpd demo",
+        description="Run the control plane with an emulated heterogeneous fleet and replay a "
+        "request trace through it; report per tier; then serve until Ctrl-C.",
+    )
+    p.add_argument("--trace", default="", help="Azure CSV or Mooncake JSONL (default: Azure conv)")
+    p.add_argument("--cluster", default="", help="cluster YAML (default: the demo fleet)")
+    p.add_argument("--rate-scale", type=float, default=1.0, help="replay at this x the trace rate")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of trace to replay")
+    p.add_argument("--time-scale", type=float, default=1.0, help="run this x faster than real time")
+    p.add_argument("--max-requests", type=int, default=None)
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--out", default=".hpd/demo", help="directory for report.json and plots")
+    p.add_argument("--no-serve", action="store_true", help="exit after the report")
+    p.add_argument("--no-live", action="store_true", help="no live progress table")
+    p.add_argument("--redis-url", default="", help="use this Redis instead of an embedded one")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--registry-port", type=int, default=50051)
+    p.add_argument("--scheduler-port", type=int, default=50052)
+    p.add_argument("--kvbroker-port", type=int, default=50053)
+    p.add_argument("--lease-ttl-ms", type=int, default=3_000, help="worker lease")
+    p.add_argument(
+        "--fault-at", type=float, default=0.3, help="faults fire at this share of the replay"
+    )
+    p.add_argument("--kill-worker", nargs="?", const="auto", default=None, metavar="WORKER",
+                   help="kill a worker mid-run (default: the busiest decode worker)")  # fmt: skip
+    p.add_argument("--slow-link", nargs="?", const="auto", default=None, metavar="SRC>DST[=F]",
+                   help="cut a pool pair's bandwidth F-fold (default 10, busiest)")  # fmt: skip
+    p.add_argument("--fill-pool", nargs="?", const="auto", default=None, metavar="POOL[=FRAC]",
+                   help="fill a decode pool's KV memory (default 0.97; busiest pool)")  # fmt: skip
+    p.add_argument("--stop-redis", nargs="?", const="3", default=None, metavar="SECONDS",
+                   help="stop the embedded Redis for a few seconds (default 3)")  # fmt: skip
+    p.add_argument("--log-level", default="error")
+    return p
+
+
+def options_from(args: argparse.Namespace) -> DemoOptions:
+    at = max(0.0, args.fault_at) * args.duration / args.time_scale
+    faults = []
+    for kind, value in (
+        ("kill_worker", args.kill_worker),
+        ("slow_link", args.slow_link),
+        ("fill_pool", args.fill_pool),
+        ("stop_redis", args.stop_redis),
+    ):
+        if value is not None:
+            faults.append(parse_fault(kind, value, at))
+    return DemoOptions(
+        trace=Path(args.trace) if args.trace else default_trace_path(),
+        cluster=Path(args.cluster) if args.cluster else default_cluster_path(),
+        rate_scale=args.rate_scale,
+        duration_s=args.duration,
+        time_scale=args.time_scale,
+        max_requests=args.max_requests,
+        seed=args.seed,
+        out=Path(args.out) if args.out else None,
+        serve=not args.no_serve,
+        live=not args.no_live,
+        host=args.host,
+        registry_port=args.registry_port,
+        scheduler_port=args.scheduler_port,
+        kvbroker_port=args.kvbroker_port,
+        lease_ttl_ms=args.lease_ttl_ms,
+        faults=tuple(faults),
+        log_level=args.log_level,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    configure_logging(args.log_level, json_logs=False)
+    try:
+        opts = options_from(args)
+    except ValueError as exc:
+        print(f"hpd demo: {exc}", file=sys.stderr)
+        return 2
+    if args.redis_url and args.stop_redis is not None:
+        print("hpd demo: --stop-redis needs the embedded Redis (drop --redis-url)", file=sys.stderr)
+        return 2
+
+    async def go(url: str, redis: EmbeddedRedis | None) -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        import signal
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, stop.set)
+        result = await run_demo(opts, url, redis, stop_event=stop)
+        return result.status
+
+    if args.redis_url:
+        return asyncio.run(go(args.redis_url, None))
+    with (
+        tempfile.TemporaryDirectory(prefix="hpd-demo-") as state,
+        EmbeddedRedis(Path(state), persist=True) as redis,
+    ):
+        return asyncio.run(go(redis.url, redis))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,220 @@
+"""The demo's report: per tier and overall, from the gateway's request records.
+
+Definitions (the simulator's, ``hpd_scheduler.sim.metrics``, whose percentile this uses):
+
+* TTFT, TPOT: emulated ms as the gateway measured them; percentiles are nearest-rank over
+  the *completed* requests of the tier.
+* SLO attainment: the share of *all* the tier's requests (rejected and failed ones count as
+  misses) that completed with TTFT <= the tier's ``ttft_ms`` and TPOT <= its ``tpot_ms``.
+* goodput: SLO-meeting requests per emulated second of replay (``met / replay_s``), the
+  single-run form of DistServe's goodput (which searches for the highest rate keeping
+  attainment >= 90 %; ``hpd sim`` does that search); ``goodput_per_dollar_hour`` divides it
+  by the fleet's assumed price per hour.
+* accounting: every request is exactly one of completed, rejected (with a reason) or failed
+  (with a cause); ``accounted`` is true when the counts add up and no id repeats.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from hpd_scheduler.sim.metrics import Slo, percentile
+
+from .gateway import RequestRecord
+
+__all__ = ["TierSlo", "build_report", "format_report", "plot_report", "write_report"]
+
+TierSlo = Slo
+
+
+def _pcts(values: Sequence[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p90": None, "p99": None}
+    return {f"p{p}": round(percentile(values, p), 2) for p in (50, 90, 99)}
+
+
+def _met(r: RequestRecord, slo: Slo | None) -> bool:
+    if not r.completed or slo is None:
+        return r.completed and slo is None
+    return r.ttft_ms <= slo.ttft_ms and (r.output_tokens <= 1 or r.tpot_ms <= slo.tpot_ms)
+
+
+def _group(
+    records: Sequence[RequestRecord], slo: Slo | None, replay_s: float, price: float
+) -> dict[str, Any]:
+    done = [r for r in records if r.completed]
+    met = sum(_met(r, slo) for r in records)
+    n = len(records)
+    goodput = met / replay_s if replay_s > 0 else 0.0
+    return {
+        "requests": n,
+        "completed": len(done),
+        "rejected": sum(r.status == "rejected" for r in records),
+        "failed": sum(r.status == "failed" for r in records),
+        "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms} if slo else None,
+        "ttft_ms": _pcts([r.ttft_ms for r in done]),
+        "tpot_ms": _pcts([r.tpot_ms for r in done if r.output_tokens > 1]),
+        "slo_attainment": round(met / n, 4) if n else 0.0,
+        "goodput_rps": round(goodput, 3),
+        "goodput_per_dollar_hour": round(goodput / price, 4) if price > 0 else None,
+        "modes": dict(collections.Counter(r.mode_used for r in done)),
+        "planned_modes": dict(
+            collections.Counter(r.planned_mode for r in records if r.planned_mode)
+        ),
+        "decisions": dict(collections.Counter(r.decision for r in records if r.decision)),
+        "fallbacks": dict(collections.Counter(r.fallback for r in records if r.fallback)),
+        "rejects": dict(collections.Counter(r.reason for r in records if r.status == "rejected")),
+        "failures": dict(collections.Counter(r.reason for r in records if r.status == "failed")),
+        "serving_actions": dict(
+            collections.Counter(r.serving_action for r in records if r.serving_action)
+        ),
+    }
+
+
+def build_report(
+    records: Sequence[RequestRecord],
+    tier_slos: Mapping[str, Slo],
+    replay_s: float,
+    price_per_hour: float = 0.0,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The report as a JSON-ready dict (module docstring)."""
+    ids = [r.request_id for r in records]
+    by_tier: dict[str, list[RequestRecord]] = collections.defaultdict(list)
+    for r in records:
+        by_tier[r.tier].append(r)
+    overall = _group(records, None, replay_s, price_per_hour)
+    overall["slo_attainment"] = (
+        round(sum(_met(r, tier_slos.get(r.tier)) for r in records) / len(records), 4)
+        if records
+        else 0.0
+    )
+    met_all = sum(_met(r, tier_slos.get(r.tier)) for r in records)
+    overall["goodput_rps"] = round(met_all / replay_s, 3) if replay_s > 0 else 0.0
+    overall["goodput_per_dollar_hour"] = (
+        round(overall["goodput_rps"] / price_per_hour, 4) if price_per_hour > 0 else None
+    )
+    counted = overall["completed"] + overall["rejected"] + overall["failed"]
+    report: dict[str, Any] = {
+        "replay_s": round(replay_s, 3),
+        "price_per_hour_usd": round(price_per_hour, 2),
+        "accounting": {
+            "requests": len(records),
+            "completed": overall["completed"],
+            "rejected": overall["rejected"],
+            "failed": overall["failed"],
+            "unique_ids": len(set(ids)),
+            "accounted": counted == len(records) == len(set(ids))
+            and all(r.status in ("completed", "rejected", "failed") for r in records)
+            and all(r.reason for r in records if r.status != "completed"),
+        },
+        "overall": overall,
+        "tiers": {
+            t: _group(rs, tier_slos.get(t), replay_s, price_per_hour)
+            for t, rs in sorted(by_tier.items())
+        },
+    }
+    if extra:
+        report.update(extra)
+    return report
+
+
+def _fmt(v: float | None) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return f"{v:.0f}" if abs(v) >= 100 else f"{v:.1f}"
+
+
+def _counts(d: Mapping[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(d.items(), key=lambda kv: -kv[1])) or "-"
+
+
+def format_report(report: Mapping[str, Any]) -> str:
+    """The report as text for the terminal."""
+    acc = report["accounting"]
+    lines = [
+        f"replay {report['replay_s']:.1f} s emulated, {acc['requests']} requests: "
+        f"{acc['completed']} completed, {acc['rejected']} rejected, {acc['failed']} failed "
+        f"({'all accounted for' if acc['accounted'] else 'ACCOUNTING MISMATCH'})",
+        "",
+        f"{'tier':<12}{'reqs':>6}{'TTFT p50/p90/p99 ms':>24}{'TPOT p50/p90/p99 ms':>24}"
+        f"{'SLO att.':>10}{'goodput/s':>11}",
+    ]
+    rows = [*report["tiers"].items(), ("overall", report["overall"])]
+    for name, g in rows:
+        t, p = g["ttft_ms"], g["tpot_ms"]
+        ttft = "/".join(_fmt(t[k]) for k in ("p50", "p90", "p99"))
+        tpot = "/".join(_fmt(p[k]) for k in ("p50", "p90", "p99"))
+        lines.append(
+            f"{name:<12}{g['requests']:>6}{ttft:>24}{tpot:>24}"
+            f"{g['slo_attainment'] * 100:>9.1f}%{g['goodput_rps']:>11.2f}"
+        )
+    o = report["overall"]
+    lines += [
+        "",
+        f"hand-off modes used: {_counts(o['modes'])}",
+        f"planned modes:       {_counts(o['planned_modes'])}",
+        f"decisions:           {_counts(o['decisions'])}",
+        f"serving actions:     {_counts(o['serving_actions'])}",
+        f"fallbacks taken:     {_counts(o['fallbacks'])}",
+        f"rejects by reason:   {_counts(o['rejects'])}",
+    ]
+    if o["failures"]:
+        lines.append(f"failed by cause:     {_counts(o['failures'])}")
+    if report.get("faults"):
+        lines.append("faults injected:     " + "; ".join(str(f) for f in report["faults"]))
+    if o.get("goodput_per_dollar_hour") is not None:
+        lines.append(
+            f"fleet price ${report['price_per_hour_usd']:.2f}/h (assumed); goodput per $/h: "
+            f"{o['goodput_per_dollar_hour']:.3f} req/s"
+        )
+    return "\n".join(lines)
+
+
+def write_report(report: Mapping[str, Any], records: Sequence[RequestRecord], out: Path) -> Path:
+    """Write ``report.json`` (the report plus every request record) under ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "report.json"
+    doc = {**report, "requests": [r.to_dict() for r in records]}
+    path.write_text(json.dumps(doc, indent=2, sort_keys=False, default=str) + "\n")
+    return path
+
+
+def plot_report(records: Sequence[RequestRecord], report: Mapping[str, Any], out: Path) -> str:
+    """Write ``ttft_cdf.png`` and ``modes.png``; returns what was written, or why nothing
+    was (matplotlib is optional)."""
+    try:
+        import matplotlib  # type: ignore[import-not-found, unused-ignore]
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # type: ignore[import-not-found, unused-ignore]
+    except ImportError:
+        return "matplotlib is not installed: no PNG plots written (pip install matplotlib)"
+    out.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for tier in sorted({r.tier for r in records}):
+        xs = sorted(r.ttft_ms for r in records if r.tier == tier and r.completed)
+        if xs:
+            ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=tier)
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (emulated ms)")
+    ax.set_ylabel("share of completed requests")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "ttft_cdf.png", dpi=120)
+    plt.close(fig)
+    modes = report["overall"]["modes"]
+    fig, ax = plt.subplots(figsize=(5.0, 3.2))
+    ax.bar(list(modes), list(modes.values()))
+    ax.set_ylabel("requests")
+    ax.set_title("hand-off mode used")
+    fig.tight_layout()
+    fig.savefig(out / "modes.png", dpi=120)
+    plt.close(fig)
+    return f"plots: {out / 'ttft_cdf.png'}, {out / 'modes.png'}"
