@@ -11,13 +11,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hetero_pd.v1 import scheduler_pb2 as s
-from tests.component.test_scheduler_api import (  # noqa: F401  (fixture)
+from tests.component.test_scheduler_api import (
     SchedulerHandle,
     hetero_fleet,
     sched,
-    scheduler,
     status_of,
 )
+from tests.component.test_scheduler_api import scheduler as scheduler
 
 pytestmark = pytest.mark.integration
 
@@ -112,7 +112,7 @@ MESSAGES = st.one_of(
 
 async def test_random_messages_never_internal(scheduler: SchedulerHandle) -> None:
     await hetero_fleet(scheduler)
-    seen: list[grpc.StatusCode] = []
+    seen: list[tuple[str, Any]] = []
 
     @settings(
         max_examples=150,
@@ -121,10 +121,10 @@ async def test_random_messages_never_internal(scheduler: SchedulerHandle) -> Non
     )
     @given(MESSAGES)
     def run(item: tuple[str, Any]) -> None:
-        seen.append(item)  # type: ignore[arg-type]
+        seen.append(item)
 
     run()
-    for name, msg in seen:  # type: ignore[misc]
+    for name, msg in seen:
         code, exc = await status_of(getattr(scheduler.stub, name)(msg, timeout=5))
         assert code not in NEVER, (name, msg, exc)
     # still serving

@@ -143,9 +143,11 @@ async def test_two_processes_never_hold_more_than_k(
         ]
         results = await asyncio.gather(*calls)
         ok = [resp for code, resp in results if code == grpc.StatusCode.OK]
-        codes = {code for code, _ in results}
-        odd = [r.details() for code, r in results if code not in (
-            grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED)]
+        odd = [
+            r.details()
+            for code, r in results
+            if code not in (grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED)
+        ]
         assert not odd, odd[:3]
         assert 1 <= len(ok) <= K
         assert await held(redis_server.url, registry.prefix) == len(ok) <= K

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("hpd_fleet.demo", "control plane + emulated heterogeneous fleet + trace replay"),
     "up": ("hpd_common.up", "run the whole control plane on this machine"),
     "registry": ("hpd_registry.__main__", "run the registry service"),
     "kvbroker": ("hpd_kvbroker.__main__", "run the KV broker service"),
@@ -34,6 +35,7 @@ def usage() -> str:
     lines += [
         "",
         "examples:",
+        "  hpd demo --duration 20 --no-serve        # a 20 s replay with its report, then exit",
         "  hpd up                                  # registry on :50051, embedded Redis in ./.hpd",
         "  hpd up --redis-url redis://host:6379/0  # against your own Redis",
         "  hpd workers --registry 127.0.0.1:50051 --pool h100-prefill",

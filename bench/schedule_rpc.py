@@ -1,0 +1,296 @@
+"""`Schedule` over gRPC against a real registry and a real Redis, beside two baselines.
+
+For fleets of 16, 256 and 4,096 workers (registered through the registry, a mix of
+prefill, decode and both-stage pools with load reports), at concurrency 1 and 16, it
+measures the p50 / p99 latency and throughput of:
+
+* (E)   DiagnosticsService.Echo on the scheduler's own server: the transport alone;
+* (E+R) DiagnosticsService.EchoRedis on the same server: transport + one EVALSHA;
+* (S)   SchedulerService.Schedule: transport + planning + one EVALSHA (reservation,
+        record head and idempotency key in one script).
+
+All three are taken in the same run, against the same server and Redis. Targets: at 256
+workers, Schedule p50 <= 1.25 x (E+R) p50 and throughput at concurrency 16 >= 0.8 x (E+R);
+at 4,096 workers p50 within 1.5 x (E+R).
+
+The servers (registry + scheduler, one asyncio process, as `hpd up` runs them) run in a
+child process; this process is the client. Redis is a private redis-server on a free port.
+
+    python bench/schedule_rpc.py [--quick] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from hetero_pd.v1 import common_pb2 as c
+from hetero_pd.v1 import diagnostics_pb2 as d
+from hetero_pd.v1 import diagnostics_pb2_grpc as d_grpc
+from hetero_pd.v1 import registry_pb2 as r
+from hetero_pd.v1 import registry_pb2_grpc as r_grpc
+from hetero_pd.v1 import scheduler_pb2 as s
+from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
+
+SIZES = (16, 256, 4096)
+CONCURRENCY = (1, 16)
+SHAPES = (
+    ("h100-prefill", (c.STAGE_PREFILL,), "H100-SXM", c.KV_LAYOUT_PAGED_NHD),
+    ("h200-decode", (c.STAGE_DECODE,), "H200", c.KV_LAYOUT_PAGED_NHD),
+    ("l40s-decode", (c.STAGE_DECODE,), "L40S", c.KV_LAYOUT_PAGED_HND),
+    ("h100-both", (c.STAGE_PREFILL, c.STAGE_DECODE), "H100-SXM", c.KV_LAYOUT_PAGED_NHD),
+)
+
+
+# -- server side (child process) -------------------------------------------------------------
+
+
+async def serve(redis_url: str, prefix: str) -> None:
+    from hpd_common import redis_conn
+    from hpd_common.logging import configure_logging
+    from hpd_common.server import run_until_signal
+    from hpd_registry.__main__ import build_server as build_registry
+    from hpd_registry.service import RegistrySettings
+    from hpd_scheduler.__main__ import build_server as build_scheduler
+    from hpd_scheduler.service import SchedulerSettings
+
+    configure_logging("warning", json_logs=False)
+    client = redis_conn.connect(redis_url)
+    reg = build_registry(
+        RegistrySettings(port=0, redis_url=redis_url, key_prefix=prefix, lease_ttl_ms=300_000),
+        client,
+    )
+    await reg.start()
+    sch = build_scheduler(
+        SchedulerSettings(
+            port=0,
+            redis_url=redis_url,
+            key_prefix=prefix,
+            registry_target=f"127.0.0.1:{reg.port}",
+            directive_interval_ms=0,
+            log_level="warning",
+        ),
+        client,
+    )
+
+    async def started() -> None:
+        print(json.dumps({"registry": reg.port, "scheduler": sch.port}), flush=True)
+
+    try:
+        await run_until_signal([sch], on_started=started)
+    finally:
+        await reg.stop(0)
+
+
+# -- client side ----------------------------------------------------------------------------
+
+
+def capability(i: int) -> c.WorkerCapability:
+    pool_no = i // 8
+    name, stages, gpu, layout = SHAPES[pool_no % len(SHAPES)]
+    wid = f"w{i:05d}"
+    return c.WorkerCapability(
+        worker_id=wid,
+        pool_id=f"{name}-{pool_no}",
+        endpoint=f"{wid}.local:8000",
+        stages=list(stages),
+        model_id="llama-3-8b",
+        model_revision="rev-a",
+        engine="vllm",
+        engine_version="0.9.0",
+        gpu_type=gpu,
+        gpu_count=1,
+        tp_size=1,
+        pp_size=1,
+        kv_memory_total_bytes=4096 * 2**30,  # ample: the run takes reservations, no outcomes
+        max_batch_size=256,
+        kv_format=c.KvFormat(
+            dtype=c.KV_DTYPE_BF16,
+            layout=layout,
+            block_size_tokens=16,
+            num_layers=32,
+            num_kv_heads=8,
+            head_dim=128,
+            tp_size=1,
+            attention_backend="flash_attn",
+            model_revision="rev-a",
+        ),
+        network=c.NetworkLocation(
+            zone=f"z{pool_no % 2}", rack=f"r{pool_no}", host=wid, nic_gbps=200
+        ),
+    )
+
+
+async def register_fleet(target: str, n: int) -> None:
+    async with grpc.aio.insecure_channel(target) as ch:
+        stub = r_grpc.RegistryServiceStub(ch)
+        sem = asyncio.Semaphore(32)
+
+        async def one(i: int) -> None:
+            async with sem:
+                reg = await stub.RegisterWorker(
+                    r.RegisterWorkerRequest(capability=capability(i), lease_ttl_ms=300_000)
+                )
+                rep = c.LoadReport(
+                    gpu_util=0.4, memory_util=0.3, kv_blocks_free=700 + (i * 37) % 300,
+                    kv_blocks_total=1000, queue_depth=(i * 7) % 12, queue_max=0,
+                    batch_size=(i * 11) % 64, itl_p50_ms=20.0, itl_p99_ms=35.0,
+                )  # fmt: skip
+                await stub.Heartbeat(
+                    r.HeartbeatRequest(worker_id=reg.worker_id, credential=reg.credential, load=rep)
+                )
+
+        await asyncio.gather(*(one(i) for i in range(n)))
+
+
+async def measure(
+    call: Callable[[int], Awaitable[Any]], total: int, concurrency: int
+) -> dict[str, float]:
+    lat: list[float] = []
+    counter = iter(range(total))
+
+    async def worker() -> None:
+        for i in counter:
+            t0 = time.perf_counter()
+            await call(i)
+            lat.append(time.perf_counter() - t0)
+
+    for i in range(min(50, total)):  # warm-up (not counted)
+        await call(-1 - i)
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    wall = time.perf_counter() - start
+    lat.sort()
+    return {
+        "p50_us": lat[len(lat) // 2] * 1e6,
+        "p99_us": lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e6,
+        "per_s": len(lat) / wall,
+    }
+
+
+async def bench_size(redis_url: str, n: int, total: int) -> dict[str, Any]:
+    prefix = f"bench{n}x{os.getpid()}"
+    here = Path(__file__).resolve()  # noqa: ASYNC240
+    child = subprocess.Popen(  # noqa: ASYNC220
+        [sys.executable, str(here), "--serve", redis_url, prefix],
+        stdout=subprocess.PIPE,
+        env={**os.environ},
+    )
+    assert child.stdout is not None
+    line = await asyncio.to_thread(child.stdout.readline)
+    ports = json.loads(line)
+    try:
+        await register_fleet(f"127.0.0.1:{ports['registry']}", n)
+        target = f"127.0.0.1:{ports['scheduler']}"
+        async with grpc.aio.insecure_channel(target) as ch:
+            sched = s_grpc.SchedulerServiceStub(ch)
+            diag = d_grpc.DiagnosticsServiceStub(ch)
+            deadline = time.monotonic() + 60
+            while True:  # until the view holds the fleet (a decode-heavy plan succeeds)
+                try:
+                    await sched.Schedule(
+                        s.ScheduleRequest(request_id=f"probe-{time.monotonic_ns()}",
+                                          model_id="llama-3-8b", prompt_tokens=100,
+                                          expected_output_tokens=10),
+                        timeout=5,
+                    )  # fmt: skip
+                    recs = await sched.GetRecommendations(s.GetRecommendationsRequest())
+                    decode = sum(1 for i in range(n) if (i // 8) % len(SHAPES) != 0)
+                    if len([w for w in recs.workers if w.load >= 0]) >= decode:
+                        break
+                except grpc.aio.AioRpcError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the scheduler never saw the fleet")
+                await asyncio.sleep(0.2)
+            await asyncio.sleep(1.0)  # one more rebuild after the last load reports
+            payload = b"x" * 64
+            out: dict[str, Any] = {"workers": n}
+            for conc in CONCURRENCY:
+                run = f"c{conc}"
+
+                async def echo(i: int) -> Any:
+                    return await diag.Echo(d.EchoRequest(payload=payload))
+
+                async def echo_redis(i: int) -> Any:
+                    return await diag.EchoRedis(d.EchoRequest(payload=payload))
+
+                async def schedule(i: int, run: str = run) -> Any:
+                    return await sched.Schedule(
+                        s.ScheduleRequest(
+                            request_id=f"{run}-{i}", model_id="llama-3-8b",
+                            prompt_tokens=600 + (i * 131) % 3000,
+                            expected_output_tokens=50 + (i * 17) % 500,
+                        )
+                    )  # fmt: skip
+
+                out[f"echo_{run}"] = await measure(echo, total, conc)
+                out[f"echo_redis_{run}"] = await measure(echo_redis, total, conc)
+                out[f"schedule_{run}"] = await measure(schedule, total, conc)
+            return out
+    finally:
+        child.terminate()
+        await asyncio.to_thread(child.wait, 15)
+
+
+async def main_async(quick: bool) -> dict[str, Any]:
+    from hpd_common.embedded_redis import EmbeddedRedis
+
+    total = 1500 if quick else 6000
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(Path(tmp), persist=False) as red:
+        for n in SIZES:
+            results[str(n)] = await bench_size(red.url, n, total)
+    r256, r4096 = results["256"], results["4096"]
+    summary = {
+        "p50_vs_echo_redis_256": r256["schedule_c1"]["p50_us"] / r256["echo_redis_c1"]["p50_us"],
+        "throughput_vs_echo_redis_256_c16": r256["schedule_c16"]["per_s"]
+        / r256["echo_redis_c16"]["per_s"],
+        "p50_vs_echo_redis_4096": r4096["schedule_c1"]["p50_us"] / r4096["echo_redis_c1"]["p50_us"],
+    }
+    return {**summary, "requests_per_run": total, "sizes": results}
+
+
+def main() -> int:
+    if len(sys.argv) == 4 and sys.argv[1] == "--serve":
+        asyncio.run(serve(sys.argv[2], sys.argv[3]))
+        return 0
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="fewer requests (under a minute)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    args = p.parse_args()
+    out = asyncio.run(main_async(args.quick))
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    for n, res in out["sizes"].items():
+        print(f"fleet {n} workers")
+        for key in ("echo", "echo_redis", "schedule"):
+            for conc in CONCURRENCY:
+                m = res[f"{key}_c{conc}"]
+                print(
+                    f"  {key:<11} c={conc:<3} p50 {m['p50_us']:8.0f} us   p99 {m['p99_us']:8.0f} us"
+                    f"   {m['per_s']:8.0f} /s"
+                )
+    print(f"p50 vs E+R at 256:               {out['p50_vs_echo_redis_256']:.2f}  (target <= 1.25)")
+    print(
+        f"throughput vs E+R at 256, c16:   {out['throughput_vs_echo_redis_256_c16']:.2f}"
+        "  (target >= 0.8)"
+    )
+    print(f"p50 vs E+R at 4096:              {out['p50_vs_echo_redis_4096']:.2f}  (target <= 1.5)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
