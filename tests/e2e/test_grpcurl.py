@@ -49,6 +49,7 @@ PORTS: dict[str, int] = {}
 def hpd_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     port = free_port()
     PORTS["kvbroker"] = free_port()
+    PORTS["scheduler"] = free_port()
     state = tmp_path_factory.mktemp("hpd-up")
     hpd = Path(sys.executable).parent / "hpd"
     proc = subprocess.Popen(
@@ -61,6 +62,8 @@ def hpd_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
             str(port),
             "--kvbroker-port",
             str(PORTS["kvbroker"]),
+            "--scheduler-port",
+            str(PORTS["scheduler"]),
             "--metrics-port",
             "0",
             "--log-level",
@@ -72,7 +75,7 @@ def hpd_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     )
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        outs = [grpcurl(p, "grpc.health.v1.Health/Check") for p in (port, PORTS["kvbroker"])]
+        outs = [grpcurl(p, "grpc.health.v1.Health/Check") for p in (port, *PORTS.values())]
         if all(o.returncode == 0 and '"SERVING"' in o.stdout for o in outs):
             break
         time.sleep(0.2)
@@ -168,3 +171,45 @@ def test_kvbroker_negotiates_two_registered_workers(hpd_up: int) -> None:
     verdict = json.loads(out.stdout)
     assert verdict["negotiation"]["verdict"] == "COMPATIBILITY_VERDICT_CONVERTIBLE", verdict
     assert "block_size_mismatch" in json.dumps(verdict)
+
+
+def test_schedule_from_json_then_its_route_record(hpd_up: int) -> None:
+    from google.protobuf.json_format import MessageToDict
+
+    from hetero_pd.v1 import common_pb2 as c
+
+    for cap in (
+        capability("sch-p1", model="llama-3-8b"),
+        capability("sch-d1", pool_id="a100-decode", stages=(c.STAGE_DECODE,), gpu="A100-80G"),
+    ):
+        out = grpcurl(
+            hpd_up,
+            "hetero_pd.v1.RegistryService/RegisterWorker",
+            data={"capability": MessageToDict(cap), "leaseTtlMs": 60000},
+        )
+        assert out.returncode == 0, out.stderr
+    sched = PORTS["scheduler"]
+    request = {
+        "request_id": "grpcurl-req-1",
+        "model_id": "llama-3-8b",
+        "prompt_tokens": 2000,
+        "expected_output_tokens": 128,
+        "tier": "standard",
+    }
+    deadline = time.monotonic() + 15
+    while True:  # the scheduler's view follows the registry's feed within moments
+        out = grpcurl(sched, "hetero_pd.v1.SchedulerService/Schedule", data=request)
+        if out.returncode == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert out.returncode == 0, out.stdout + out.stderr
+    plan = json.loads(out.stdout)["plan"]
+    assert plan["prefill_pool_id"] == "h100-prefill"  # sch-p1, or an earlier test's H100
+    assert plan["decode_worker_id"] == "sch-d1"
+    assert plan["mode"] == "EXECUTION_MODE_TRANSFER"
+    rec = grpcurl(
+        sched, "hetero_pd.v1.SchedulerService/GetRouteRecord", data={"request_id": "grpcurl-req-1"}
+    )
+    assert rec.returncode == 0, rec.stderr
+    record = json.loads(rec.stdout)["record"]
+    assert "grpcurl-req-1" in json.dumps(record) and "sch-d1" in json.dumps(record)

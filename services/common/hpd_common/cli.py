@@ -17,16 +17,18 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("hpd_fleet.demo", "control plane + emulated heterogeneous fleet + trace replay"),
     "up": ("hpd_common.up", "run the whole control plane on this machine"),
     "registry": ("hpd_registry.__main__", "run the registry service"),
+    "scheduler": ("hpd_scheduler.__main__", "run the scheduler service"),
     "kvbroker": ("hpd_kvbroker.__main__", "run the KV broker service"),
     "sim": ("hpd_scheduler.sim.cli", "simulate a cluster under scheduling policies"),
     "workers": ("hpd_common.tables", "print the workers of a running registry"),
     "pools": ("hpd_common.tables", "print the pools of a running registry"),
     "sessions": ("hpd_kvbroker.tables", "print the KV transfer sessions of a running broker"),
     "compat": ("hpd_kvbroker.tables", "print the prefill x decode KV compatibility of a model"),
+    "routes": ("hpd_scheduler.tables", "print recent route records of a running scheduler"),
 }
 
 # Table commands receive their own name first (one module serves several tables).
-TABLE_MODULES = {"hpd_common.tables", "hpd_kvbroker.tables", "hpd_scheduler.tables"}
+TABLE_MODULES = {"hpd_common.tables", "hpd_kvbroker.tables"}
 
 
 def usage() -> str:

@@ -24,8 +24,8 @@ log = get_logger("up")
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="hpd up",
-        description="Run the hetero-pd control plane (registry; scheduler and kvbroker as they "
-        "are built) on this machine.",
+        description="Run the hetero-pd control plane (registry, scheduler, KV broker) on this "
+        "machine, in one process.",
         epilog="Then try: grpcurl -plaintext 127.0.0.1:50051 list",
     )
     p.add_argument("--redis-url", default="", help="use this Redis instead of an embedded one")
@@ -33,6 +33,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--redis-port", type=int, default=0, help="embedded Redis port (0 = free port)")
     p.add_argument("--host", default="127.0.0.1", help="address the services listen on")
     p.add_argument("--registry-port", type=int, default=50051)
+    p.add_argument("--scheduler-port", type=int, default=50052)
     p.add_argument("--kvbroker-port", type=int, default=50053)
     p.add_argument("--metrics-port", type=int, default=9451, help="Prometheus port (0 = off)")
     p.add_argument("--lease-ttl-ms", type=int, default=10_000, help="default worker lease")
@@ -46,6 +47,8 @@ async def _serve(args: argparse.Namespace, redis_url: str) -> None:
     from hpd_kvbroker.service import KvBrokerSettings
     from hpd_registry.__main__ import build_server as build_registry
     from hpd_registry.service import RegistrySettings
+    from hpd_scheduler.__main__ import build_server as build_scheduler
+    from hpd_scheduler.service import SchedulerSettings
 
     client = redis_conn.connect(redis_url)
     servers: list[GrpcServer] = [
@@ -55,6 +58,17 @@ async def _serve(args: argparse.Namespace, redis_url: str) -> None:
                 port=args.registry_port,
                 redis_url=redis_url,
                 lease_ttl_ms=args.lease_ttl_ms,
+                log_level=args.log_level,
+            ),
+            client,
+        ),
+        build_scheduler(
+            SchedulerSettings(
+                host=args.host,
+                port=args.scheduler_port,
+                redis_url=redis_url,
+                registry_target=f"{args.host}:{args.registry_port}",
+                broker_target=f"{args.host}:{args.kvbroker_port}",
                 log_level=args.log_level,
             ),
             client,

@@ -17,7 +17,7 @@ from hpd_common.metrics import serve_metrics
 from hpd_common.server import GrpcServer, run_until_signal
 from hpd_common.settings import add_arguments, load_settings
 from hpd_scheduler.api import SchedulerComponent
-from hpd_scheduler.broker import GrpcKvBroker, KvSessionOpener
+from hpd_scheduler.broker_client import GrpcKvBroker, KvSessionOpener
 from hpd_scheduler.service import SchedulerService, SchedulerSettings
 
 

@@ -46,13 +46,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import grpc
 import redis.asyncio as aioredis
 import yaml
 
-from hetero_pd.v1 import common_pb2 as c
-from hetero_pd.v1 import registry_pb2 as r
-from hetero_pd.v1 import registry_pb2_grpc as r_grpc
 from hpd_common.clock import Clock
 from hpd_common.errors import (
     FailedPrecondition,
@@ -64,9 +60,9 @@ from hpd_common.errors import (
 from hpd_common.informer import FleetChange, FleetInformer
 from hpd_common.logging import get_logger
 from hpd_common.server import ServerSettings
-from hpd_registry.domain import WorkerRecord
+from hpd_registry.domain import Directive, DirectiveKind, WorkerRecord
 from hpd_scheduler import metrics
-from hpd_scheduler.broker import KvSessionOpener, NoKvBroker, SessionRefused
+from hpd_scheduler.broker_client import KvSessionOpener, NoKvBroker, SessionRefused
 from hpd_scheduler.feedback import ObservedEstimates, observation_from
 from hpd_scheduler.keys import SchedulerKeys
 from hpd_scheduler.policy import (
@@ -91,6 +87,7 @@ from hpd_scheduler.policy import (
 )
 from hpd_scheduler.policy.fleet import WorkerState
 from hpd_scheduler.records import as_recompute, head_of
+from hpd_scheduler.registry_client import DirectiveSender, GrpcDirectiveSender
 from hpd_scheduler.store import (
     ReservationAsk,
     ReserveStatus,
@@ -368,7 +365,7 @@ class SchedulerService:
         self._explain_q: list[tuple[str, Decision]] = []
         self._explain_wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
-        self._registry_channel: grpc.aio.Channel | None = None
+        self.directives: DirectiveSender = GrpcDirectiveSender(settings.registry_target)
         self._bg: set[asyncio.Future[None]] = set()
         self._stopping = False
 
@@ -401,8 +398,7 @@ class SchedulerService:
             await self._flush_explanations()
         await self._stop_informer()
         await self.opener.close()
-        if self._registry_channel is not None:
-            await self._registry_channel.close()
+        await self.directives.close()
 
     async def _stop_informer(self) -> None:
         """Stop the informer. A cancel that lands while its WatchWorkers call is open can
@@ -905,11 +901,6 @@ class SchedulerService:
         )
         return Recommendations(tuple(models), workers, links, self.clock.now_ms())
 
-    def _registry(self) -> r_grpc.RegistryServiceStub:
-        if self._registry_channel is None:
-            self._registry_channel = grpc.aio.insecure_channel(self.settings.registry_target)
-        return r_grpc.RegistryServiceStub(self._registry_channel)
-
     async def send_directives(self) -> int:
         """Turn the current recommendations into directives: SET_MAX_BATCH_SIZE for a
         changed batch cap, MIGRATE for each rebalance move; each only when it differs from
@@ -917,13 +908,13 @@ class SchedulerService:
         `directive_repeat_ms`, and at most `directive_max_per_cycle`. Returns how many."""
         s = self.settings
         recs = self.recommendations()
-        wanted: list[tuple[str, str, str, c.Directive]] = []
+        wanted: list[tuple[str, str, str, Directive]] = []
         for m in recs.models:
             for wid, _current, b, itl, tgt in m.batch:
                 if b.change.value == "keep":
                     continue
-                d = c.Directive(
-                    kind=c.DIRECTIVE_KIND_SET_MAX_BATCH_SIZE,
+                d = Directive(
+                    kind=DirectiveKind.SET_MAX_BATCH_SIZE,
                     max_batch_size=b.max_batch_size,
                     reason=f"{b.reason}: itl_p99 {itl:.1f} ms vs target {tgt:.1f} ms",
                     issuer="scheduler",
@@ -933,8 +924,8 @@ class SchedulerService:
                 frac = round(min(1.0, mv.fraction), 2)
                 if frac <= 0:
                     continue
-                d = c.Directive(
-                    kind=c.DIRECTIVE_KIND_MIGRATE,
+                d = Directive(
+                    kind=DirectiveKind.MIGRATE,
                     target_worker_id=mv.dst,
                     fraction=frac,
                     reason=f"rebalance: mean load {m.rebalance.mean_load:.2f}",
@@ -942,18 +933,14 @@ class SchedulerService:
                 )
                 wanted.append((mv.src, "migrate", f"{mv.dst}:{frac}", d))
         sent = 0
-        stub = self._registry()
         for wid, kind, value, d in wanted:
             if sent >= s.directive_max_per_cycle:
                 break
             if not await self.store.directive_changed(wid, kind, value, s.directive_repeat_ms):
                 continue
-            try:
-                await stub.SendDirective(
-                    r.SendDirectiveRequest(worker_id=wid, directive=d), timeout=2
-                )
-            except grpc.aio.AioRpcError as exc:
-                log.warning("directive_not_sent", worker_id=wid, kind=kind, code=exc.code().name)
+            refused = await self.directives.send(wid, d)
+            if refused is not None:
+                log.warning("directive_not_sent", worker_id=wid, kind=kind, code=refused)
                 continue
             if kind == "batch":
                 self._batch_caps[wid] = d.max_batch_size
