@@ -296,3 +296,21 @@ async def test_health_service_reports_serving(registry: RegistryHandle) -> None:
                 break
             await asyncio.sleep(0.05)
         assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_heartbeat_renews_the_lease_the_worker_registered_with(
+    registry: RegistryHandle,
+) -> None:
+    """A worker that asked for a long lease keeps it across heartbeats (the registry's
+    default, 3 s in this suite, must not replace it)."""
+    wid = registry.prefix + "-longlease"
+    reg = await register(registry, wid, lease_ttl_ms=60_000)
+    assert reg.lease_ttl_ms == 60_000
+    hb = await registry.stub.Heartbeat(
+        r.HeartbeatRequest(worker_id=wid, credential=reg.credential, load=load()), timeout=5
+    )
+    assert hb.lease_ttl_ms == 60_000
+    got = (await registry.stub.GetWorker(r.GetWorkerRequest(worker_id=wid), timeout=5)).worker
+    assert got.status.lease_ttl_ms == 60_000
+    remaining = got.status.lease_expires_at_unix_ms - got.status.last_heartbeat_unix_ms
+    assert remaining == 60_000

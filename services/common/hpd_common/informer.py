@@ -156,6 +156,10 @@ class FleetInformer:
             except asyncio.CancelledError:
                 raise
             except grpc.RpcError as exc:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    # a cancel that lands inside the call surfaces as CANCELLED: honour it
+                    raise asyncio.CancelledError from exc
                 log.warning("informer_stream_broken", target=self.target, code=exc.code().name)
             except Exception:
                 log.exception("informer_failed")

@@ -340,18 +340,19 @@ class RegistryService:
         if res.status == "denied":
             raise PermissionDenied(f"credential does not match worker {worker_id!r}")
 
-    async def heartbeat(self, hb: HeartbeatInput, ttl_ms: int = 0) -> HeartbeatOutcome:
+    async def heartbeat(self, hb: HeartbeatInput) -> HeartbeatOutcome:
+        """Renews the lease for the TTL the worker registered with, and stores its load."""
         check_id("worker_id", hb.worker_id)
         if not hb.credential:
             raise InvalidArgument("credential", "is required")
         hb = self._check_heartbeat(hb, "")
-        ttl = self._ttl(ttl_ms)
         res = await self._submit(
             HeartbeatItem(
-                hb.worker_id, credential_hash(hb.credential), ttl, hb.load, hb.health, hb.reason
+                hb.worker_id, credential_hash(hb.credential), 0, hb.load, hb.health, hb.reason
             )
         )
         self._raise_for(res, hb.worker_id)
+        ttl = res.lease_ttl_ms
         directives = await self.store.pop_directives(hb.worker_id) if res.pending_directives else []
         return HeartbeatOutcome(
             LeaseInfo(ttl, self._interval_for(ttl), res.lease_expires_at_ms),
@@ -412,7 +413,7 @@ class RegistryService:
                     raise InvalidArgument("worker_id", "differs from the stream's first message")
                 hb = self._check_heartbeat(hb, "")
                 res = await self._submit(
-                    HeartbeatItem(worker_id, "", ttl, hb.load, hb.health, hb.reason)
+                    HeartbeatItem(worker_id, "", 0, hb.load, hb.health, hb.reason)
                 )
                 self._raise_for(res, worker_id)
                 if res.pending_directives:
@@ -420,6 +421,8 @@ class RegistryService:
                 now = self.clock.monotonic()
                 if now - last_ack >= interval_s:
                     last_ack = now
+                    ttl = res.lease_ttl_ms
+                    interval_s = self._interval_for(ttl) / 1000
                     out.put_nowait(LeaseInfo(ttl, self._interval_for(ttl), res.lease_expires_at_ms))
             out.put_nowait(_END)
         except asyncio.CancelledError:

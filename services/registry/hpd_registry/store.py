@@ -93,9 +93,11 @@ return {'created', emit_put(key, id)}
 """
 )
 
-# ARGV 5 n, then n x (id, credential hash or '' when the stream already proved it, ttl,
-# load JSON or '', load reported-at, health '' | 'ok' | 'bad', reason).
-# Returns n x (status, lease expiry, pending directives, unhealthy, draining, cordoned, reason).
+# ARGV 5 n, then n x (id, credential hash or '' when the stream already proved it, ttl (0 =
+# the lease the worker registered with), load JSON or '', load reported-at, health '' | 'ok' |
+# 'bad', reason).
+# Returns n x (status, lease expiry, pending directives, unhealthy, draining, cordoned, reason,
+# lease ttl).
 _HEARTBEATS = (
     _PRELUDE
     + """
@@ -108,11 +110,14 @@ for i = 0, n - 1 do
   if not live(key) then
     table.insert(out, 'gone'); table.insert(out, 0); table.insert(out, 0)
     table.insert(out, '0'); table.insert(out, '0'); table.insert(out, '0'); table.insert(out, '')
+    table.insert(out, 0)
   elseif ARGV[b + 1] ~= '' and redis.call('HGET', key, 'cred') ~= ARGV[b + 1] then
     table.insert(out, 'denied'); table.insert(out, 0); table.insert(out, 0)
     table.insert(out, '0'); table.insert(out, '0'); table.insert(out, '0'); table.insert(out, '')
+    table.insert(out, 0)
   else
     local ttl = tonumber(ARGV[b + 2])
+    if ttl == 0 then ttl = tonumber(redis.call('HGET', key, 'ttl')) end
     local exp = now + ttl
     redis.call('HSET', key, 'hb', now, 'exp', exp, 'ttl', ttl)
     redis.call('ZADD', KEYS[2], exp, id)
@@ -150,6 +155,7 @@ for i = 0, n - 1 do
     table.insert(out, redis.call('LLEN', ARGV[4] .. id))
     table.insert(out, f[1]); table.insert(out, f[2])
     table.insert(out, f[3]); table.insert(out, f[4])
+    table.insert(out, ttl)
   end
 end
 return out
@@ -259,6 +265,7 @@ class HeartbeatResult:
     draining: bool
     cordoned: bool
     reason: str
+    lease_ttl_ms: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -390,7 +397,7 @@ class RegistryStore:
         raw = await self._call(self._heartbeats, now_ms, *args)
         out = []
         for i in range(len(items)):
-            s, exp, dirs, unh, drn, cor, why = raw[i * 7 : i * 7 + 7]
+            s, exp, dirs, unh, drn, cor, why, ttl = raw[i * 8 : i * 8 + 8]
             out.append(
                 HeartbeatResult(
                     status=_s(s),
@@ -400,6 +407,7 @@ class RegistryStore:
                     draining=_s(drn) == "1",
                     cordoned=_s(cor) == "1",
                     reason=_s(why),
+                    lease_ttl_ms=int(ttl),
                 )
             )
         return out
