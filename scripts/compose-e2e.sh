@@ -261,7 +261,9 @@ teardown() {
   trap - EXIT INT TERM
   if [ "$rc" != 0 ]; then
     step "failed (exit $rc): last log lines of the stack"
-    compose logs --tail 40 >"$WORK/stack.log" 2>&1 || true
+    compose logs >"$WORK/stack.log" 2>&1 || true
+    # every failed RPC the services logged (INTERNAL is logged with its traceback), then the tail
+    grep -E '"rpc_failed"|Traceback|Error:' "$WORK/stack.log" | tail -n 60 || true
     tail -n 80 "$WORK/stack.log" || true
   fi
   if [ "${HPD_E2E_KEEP:-0}" = 1 ]; then

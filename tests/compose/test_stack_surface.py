@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.compose.stack import HPD_SERVICES, Stack
+from tests.compose.stack import HPD_SERVICES, Stack, wait_serving
 
 # The gRPC service each command serves besides health, reflection and diagnostics.
 OWN_SERVICE = {
@@ -67,6 +67,9 @@ def test_grpcurl_lists_services_through_reflection(stack: Stack, service: str) -
 @pytest.mark.parametrize("service", HPD_SERVICES)
 def test_grpcurl_health_check_answers_serving(stack: Stack, service: str) -> None:
     started(stack, service)
+    # earlier tests restart Redis, kill the registry and cut the network: every service
+    # must be back to SERVING by itself, within a bound
+    wait_serving(stack.addr(service), timeout_s=30)
     listed = run_grpcurl(stack.addr(service), "list").split()
     own = sorted(n for n in listed if n.startswith("hetero_pd.v1.") and n not in COMMON_SERVICES)
     names = ["", *own]
@@ -82,6 +85,7 @@ def test_container_health_check_passes(stack: Stack, service: str) -> None:
     """The health check compose.yaml declares, run inside the container by the engine."""
     if service != "redis":
         started(stack, service)
+        wait_serving(stack.addr(service), timeout_s=30)
     container = stack.container(service)
     if stack.engine == "podman":
         # podman without systemd schedules no checks, but runs one on request.

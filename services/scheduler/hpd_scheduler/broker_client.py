@@ -14,7 +14,7 @@ judged the pair's KV formats incompatible, `broker_<code>` otherwise).
 from __future__ import annotations
 
 import contextlib
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 
@@ -96,12 +96,20 @@ class GrpcKvBroker:
         self._token = scheduler_token
         self._timeout_s = timeout_s
         self._deadline_ms = deadline_ms
-        self._channel = (
-            grpc.aio.secure_channel(target, credentials)
-            if credentials
-            else grpc.aio.insecure_channel(target)
-        )
-        self._stub = kb_grpc.KvBrokerServiceStub(self._channel)
+        self._credentials = credentials
+        self._channel: grpc.aio.Channel | None = None
+
+    @property
+    def _stub(self) -> Any:
+        """The stub over a channel opened on first use: a grpc.aio channel belongs to the
+        event loop that is running when it is made, and servers are built before theirs."""
+        if self._channel is None:
+            self._channel = (
+                grpc.aio.secure_channel(self.target, self._credentials)
+                if self._credentials
+                else grpc.aio.insecure_channel(self.target)
+            )
+        return kb_grpc.KvBrokerServiceStub(self._channel)
 
     async def open(
         self, request_id: str, source_worker_id: str, destination_worker_id: str, kv_bytes: int
@@ -142,4 +150,6 @@ class GrpcKvBroker:
             )
 
     async def close(self) -> None:
-        await self._channel.close()
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
