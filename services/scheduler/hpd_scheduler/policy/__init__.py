@@ -23,6 +23,7 @@ from .capacity import StalenessPolicy, confidence
 from .config import (
     Profile,
     SideSpec,
+    SloObjective,
     builtin_profile,
     builtin_profile_names,
     load_profile,
@@ -95,6 +96,7 @@ __all__ = [
     "Scorer",
     "ServingAction",
     "SideSpec",
+    "SloObjective",
     "Stage",
     "StalenessPolicy",
     "Tier",
