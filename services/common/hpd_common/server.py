@@ -236,3 +236,44 @@ async def run_until_signal(
     finally:
         for server in reversed(started):
             await server.stop()
+
+
+def serve_main(
+    argv: Sequence[str] | None,
+    prog: str,
+    description: str,
+    settings_cls: type[Any],
+    build: Callable[[Any], GrpcServer],
+) -> int:
+    """The `hpd <service>` entry point every service shares: flags, environment and YAML
+    settings, logging, metrics, then the server built inside the running event loop (a
+    grpc.aio channel or task made before it would belong to no loop) until SIGTERM/SIGINT.
+    A bad setting prints one line naming it and exits 2."""
+    import argparse
+    import sys
+
+    from hpd_common.logging import configure_logging
+    from hpd_common.metrics import serve_metrics
+    from hpd_common.settings import add_arguments, load_settings
+
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    add_arguments(parser, settings_cls)
+    args = parser.parse_args(argv)
+    try:
+        settings = load_settings(settings_cls, args)
+        configure_logging(settings.log_level, settings.json_logs)
+    except (InvalidArgument, ValueError) as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+
+    async def serve() -> None:
+        server = build(settings)
+        await run_until_signal([server])
+
+    try:
+        serve_metrics(settings.metrics_port, settings.host)
+        asyncio.run(serve())
+    except InvalidArgument as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    return 0

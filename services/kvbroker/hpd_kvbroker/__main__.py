@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import random
 from collections.abc import Sequence
 
@@ -12,10 +10,7 @@ import redis.asyncio as aioredis
 from hpd_common import redis_conn
 from hpd_common.clock import Clock, SystemClock
 from hpd_common.errors import InvalidArgument
-from hpd_common.logging import configure_logging
-from hpd_common.metrics import serve_metrics
-from hpd_common.server import GrpcServer, run_until_signal
-from hpd_common.settings import add_arguments, load_settings
+from hpd_common.server import GrpcServer, serve_main
 from hpd_kvbroker.api import KvBrokerComponent
 from hpd_kvbroker.service import KvBrokerService, KvBrokerSettings
 
@@ -35,23 +30,15 @@ def build_server(
     return GrpcServer("kvbroker", settings, KvBrokerComponent(service), client)
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="hpd kvbroker",
-        description="Run the KV broker: KV format negotiation, the prefill x decode "
-        "compatibility matrix, KV transfer sessions.",
-    )
-    add_arguments(p, KvBrokerSettings)
-    return p
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    settings = load_settings(KvBrokerSettings, args)
-    configure_logging(settings.log_level, settings.json_logs)
-    serve_metrics(settings.metrics_port, settings.host)
-    asyncio.run(run_until_signal([build_server(settings)]))
-    return 0
+    return serve_main(
+        argv,
+        "hpd kvbroker",
+        "Run the KV broker: KV format negotiation, the prefill x decode "
+        "compatibility matrix, KV transfer sessions.",
+        KvBrokerSettings,
+        build_server,
+    )
 
 
 if __name__ == "__main__":

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 from collections.abc import Sequence
 
 import redis.asyncio as aioredis
@@ -11,10 +9,7 @@ import redis.asyncio as aioredis
 from hpd_common import redis_conn
 from hpd_common.clock import Clock, SystemClock
 from hpd_common.errors import InvalidArgument
-from hpd_common.logging import configure_logging
-from hpd_common.metrics import serve_metrics
-from hpd_common.server import GrpcServer, run_until_signal
-from hpd_common.settings import add_arguments, load_settings
+from hpd_common.server import GrpcServer, serve_main
 from hpd_registry.api import RegistryComponent
 from hpd_registry.service import RegistryService, RegistrySettings
 
@@ -31,22 +26,14 @@ def build_server(
     return GrpcServer("registry", settings, RegistryComponent(service), client)
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="hpd registry",
-        description="Run the registry: worker capability, leases, health, load, change feed.",
-    )
-    add_arguments(p, RegistrySettings)
-    return p
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    settings = load_settings(RegistrySettings, args)
-    configure_logging(settings.log_level, settings.json_logs)
-    serve_metrics(settings.metrics_port, settings.host)
-    asyncio.run(run_until_signal([build_server(settings)]))
-    return 0
+    return serve_main(
+        argv,
+        "hpd registry",
+        "Run the registry: worker capability, leases, health, load, change feed.",
+        RegistrySettings,
+        build_server,
+    )
 
 
 if __name__ == "__main__":

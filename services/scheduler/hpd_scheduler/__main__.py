@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import random
 from collections.abc import Sequence
 
@@ -12,10 +10,7 @@ import redis.asyncio as aioredis
 from hpd_common import redis_conn
 from hpd_common.clock import Clock, SystemClock
 from hpd_common.errors import InvalidArgument
-from hpd_common.logging import configure_logging
-from hpd_common.metrics import serve_metrics
-from hpd_common.server import GrpcServer, run_until_signal
-from hpd_common.settings import add_arguments, load_settings
+from hpd_common.server import GrpcServer, serve_main
 from hpd_scheduler.api import SchedulerComponent
 from hpd_scheduler.broker_client import GrpcKvBroker, KvSessionOpener
 from hpd_scheduler.service import SchedulerService, SchedulerSettings
@@ -44,23 +39,15 @@ def build_server(
     return GrpcServer("scheduler", settings, SchedulerComponent(service), client)
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="hpd scheduler",
-        description="Run the scheduler: request placement over a live fleet view, shared "
-        "reservations, route records, closed-loop estimates, directives.",
-    )
-    add_arguments(p, SchedulerSettings)
-    return p
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    settings = load_settings(SchedulerSettings, args)
-    configure_logging(settings.log_level, settings.json_logs)
-    serve_metrics(settings.metrics_port, settings.host)
-    asyncio.run(run_until_signal([build_server(settings)]))
-    return 0
+    return serve_main(
+        argv,
+        "hpd scheduler",
+        "Run the scheduler: request placement over a live fleet view, shared "
+        "reservations, route records, closed-loop estimates, directives.",
+        SchedulerSettings,
+        build_server,
+    )
 
 
 if __name__ == "__main__":
