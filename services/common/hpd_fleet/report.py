@@ -202,6 +202,13 @@ def plot_report(records: Sequence[RequestRecord], report: Mapping[str, Any], out
         if xs:
             ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=tier)
     ax.set_xscale("log")
+    from matplotlib.ticker import NullFormatter
+
+    done = [r.ttft_ms for r in records if r.completed and r.ttft_ms > 0]
+    lo, hi = (min(done), max(done)) if done else (1.0, 1000.0)
+    ticks = [m * 10**e for e in range(-1, 7) for m in (1, 2, 5) if lo <= m * 10**e <= hi]
+    ax.set_xticks(ticks, [f"{t:g}" for t in ticks])  # 20, 50, 100, 200, ... ms
+    ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("TTFT (emulated ms)")
     ax.set_ylabel("share of completed requests")
     ax.grid(True, alpha=0.3)
