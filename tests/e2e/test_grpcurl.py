@@ -213,3 +213,16 @@ def test_schedule_from_json_then_its_route_record(hpd_up: int) -> None:
     assert rec.returncode == 0, rec.stderr
     record = json.loads(rec.stdout)["record"]
     assert "grpcurl-req-1" in json.dumps(record) and "sch-d1" in json.dumps(record)
+
+
+def test_demo_attaches_a_fleet_and_a_replay_to_hpd_up(hpd_up: int, tmp_path: Path) -> None:
+    hpd = Path(sys.executable).parent / "hpd"
+    attach = f"127.0.0.1:{hpd_up},127.0.0.1:{PORTS['scheduler']},127.0.0.1:{PORTS['kvbroker']}"
+    done = subprocess.run(
+        [str(hpd), "demo", "--attach", attach, "--duration", "5", "--rate-scale", "3",
+         "--no-live", "--no-serve", "--lease-ttl-ms", "10000", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "all accounted for" in done.stdout
+    assert "(agree with the report)" in done.stdout

@@ -101,10 +101,10 @@ def test_default_services_and_fleet_profile(compose: dict[str, Any]) -> None:
     profiled = {
         name: svc["profiles"] for name, svc in services(compose).items() if name not in default
     }
-    assert profiled == {"fleet": ["fleet"], "replay": ["fleet"]}
+    assert profiled == {"replay": ["fleet"]}
 
 
-@pytest.mark.parametrize("name", sorted(DEFAULT_SERVICES | {"fleet", "replay"}))
+@pytest.mark.parametrize("name", sorted(DEFAULT_SERVICES | {"replay"}))
 def test_every_service_has_a_health_check(compose: dict[str, Any], name: str) -> None:
     check = services(compose)[name].get("healthcheck")
     assert check, f"{name} has no healthcheck"

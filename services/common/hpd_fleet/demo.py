@@ -91,6 +91,9 @@ class DemoOptions:
     faults: tuple[Fault, ...] = ()
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     log_level: str = "warning"
+    # registry, scheduler, kvbroker addresses of a running control plane: attach the fleet
+    # and the replay to it instead of starting one (the compose `fleet` profile does this)
+    attach: tuple[str, str, str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +181,43 @@ async def _wait_fleet_seen(cp: ControlPlane, worker_ids: Sequence[str], timeout_
     raise TimeoutError(f"the scheduler did not see the fleet within {timeout_s} s")
 
 
+async def _wait_fleet_registered(
+    reg_ch: grpc.aio.Channel, sch_ch: grpc.aio.Channel, worker_ids: Sequence[str], timeout_s: float
+) -> None:
+    """Attached to a running control plane: until the registry lists every worker with a
+    load report and the scheduler reports SERVING (its view then follows within moments)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from hetero_pd.v1 import registry_pb2 as r
+    from hetero_pd.v1 import registry_pb2_grpc as r_grpc
+
+    reg = r_grpc.RegistryServiceStub(reg_ch)
+    health = health_pb2_grpc.HealthStub(sch_ch)
+    want = set(worker_ids)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while loop.time() < deadline:
+        try:
+            seen: set[str] = set()
+            token = ""
+            while True:
+                page = await reg.ListWorkers(
+                    r.ListWorkersRequest(page_size=1000, page_token=token), timeout=5
+                )
+                seen |= {w.capability.worker_id for w in page.workers if w.HasField("load")}
+                token = page.next_page_token
+                if not token:
+                    break
+            serving = await health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+            if want <= seen and serving.status == health_pb2.HealthCheckResponse.SERVING:
+                await asyncio.sleep(1.0)  # the scheduler's informer and snapshot catch up
+                return
+        except grpc.aio.AioRpcError:
+            pass
+        await asyncio.sleep(0.2)
+    raise TimeoutError(f"the control plane did not see the fleet within {timeout_s} s")
+
+
 async def _tiers(stub: s_grpc.SchedulerServiceStub) -> dict[str, Slo]:
     resp = await stub.GetPolicy(s.GetPolicyRequest(), timeout=5)
     return {t.name: Slo(t.ttft_ms, t.tpot_ms) for t in resp.policy.tiers}
@@ -203,22 +243,27 @@ async def run_demo(
         time_scale=opts.time_scale,
     )
     clock = SystemClock()
-    cp = ControlPlane(
-        ControlPlaneSettings(
-            redis_url=redis_url,
-            host=opts.host,
-            registry_port=opts.registry_port,
-            scheduler_port=opts.scheduler_port,
-            kvbroker_port=opts.kvbroker_port,
-            key_prefix=opts.key_prefix,
-            lease_ttl_ms=opts.lease_ttl_ms,
-            log_level=opts.log_level,
+    cp: ControlPlane | None = None
+    if opts.attach is None:
+        cp = ControlPlane(
+            ControlPlaneSettings(
+                redis_url=redis_url,
+                host=opts.host,
+                registry_port=opts.registry_port,
+                scheduler_port=opts.scheduler_port,
+                kvbroker_port=opts.kvbroker_port,
+                key_prefix=opts.key_prefix,
+                lease_ttl_ms=opts.lease_ttl_ms,
+                log_level=opts.log_level,
+            )
         )
-    )
-    await cp.start()
+        await cp.start()
+        targets = (cp.registry_target, cp.scheduler_target, cp.kvbroker_target)
+    else:
+        targets = opts.attach
+    registry_target, scheduler_target, kvbroker_target = targets
     channels = [
-        grpc.aio.insecure_channel(t)
-        for t in (cp.registry_target, cp.kvbroker_target, cp.scheduler_target)
+        grpc.aio.insecure_channel(t) for t in (registry_target, kvbroker_target, scheduler_target)
     ]
     reg_ch, kb_ch, sch_ch = channels
     emu = EmuTime(opts.time_scale, time.monotonic, asyncio.sleep, start=time.monotonic())
@@ -236,7 +281,10 @@ async def run_demo(
     live: LiveView | None = None
     try:
         await fleet.start()
-        await _wait_fleet_seen(cp, list(fleet.workers), timeout_s=15)
+        if cp is not None:
+            await _wait_fleet_seen(cp, list(fleet.workers), timeout_s=15)
+        else:
+            await _wait_fleet_registered(reg_ch, sch_ch, list(fleet.workers), timeout_s=60)
         tier_slos = await _tiers(stub)
         mix = tuple((t, w) for t, w in opts.gateway.tier_mix if t in tier_slos) or tuple(
             (t, 1.0) for t in tier_slos
@@ -331,12 +379,12 @@ async def run_demo(
             print(f"report: {path}", file=out)
             print(plot_report(records, report, opts.out), file=out)
         out.flush()
-        if opts.serve:
+        if opts.serve and cp is not None:
             print(
-                f"\nserving: registry {cp.registry_target}, scheduler {cp.scheduler_target}, "
-                f"kvbroker {cp.kvbroker_target}; try\n"
-                f"  grpcurl -plaintext {cp.scheduler_target} list\n"
-                f"  grpcurl -plaintext -d '{{\"page_size\": 5}}' {cp.scheduler_target} "
+                f"\nserving: registry {registry_target}, scheduler {scheduler_target}, "
+                f"kvbroker {kvbroker_target}; try\n"
+                f"  grpcurl -plaintext {scheduler_target} list\n"
+                f"  grpcurl -plaintext -d '{{\"page_size\": 5}}' {scheduler_target} "
                 "hetero_pd.v1.SchedulerService/ListRouteRecords\n"
                 "Ctrl-C to stop",
                 file=out,
@@ -350,7 +398,8 @@ async def run_demo(
         await fleet.stop()
         for ch in channels:
             await ch.close()
-        await cp.stop()
+        if cp is not None:
+            await cp.stop()
 
 
 async def _route_records(
@@ -429,6 +478,13 @@ def parser() -> argparse.ArgumentParser:
                    help="fill a decode pool's KV memory (default 0.97; busiest pool)")  # fmt: skip
     p.add_argument("--stop-redis", nargs="?", const="3", default=None, metavar="SECONDS",
                    help="stop the embedded Redis for a few seconds (default 3)")  # fmt: skip
+    p.add_argument(
+        "--attach",
+        default="",
+        metavar="REGISTRY,SCHEDULER,KVBROKER",
+        help="attach the fleet and the replay to a running control plane at these host:port "
+        "addresses instead of starting one; exits after the report",
+    )
     p.add_argument("--log-level", default="error")
     return p
 
@@ -462,7 +518,17 @@ def options_from(args: argparse.Namespace) -> DemoOptions:
         lease_ttl_ms=args.lease_ttl_ms,
         faults=tuple(faults),
         log_level=args.log_level,
+        attach=_attach(args.attach),
     )
+
+
+def _attach(text: str) -> tuple[str, str, str] | None:
+    if not text:
+        return None
+    parts = [t.strip() for t in text.split(",")]
+    if len(parts) != 3 or not all(":" in t for t in parts):
+        raise ValueError("--attach wants REGISTRY,SCHEDULER,KVBROKER as three host:port")
+    return parts[0], parts[1], parts[2]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -473,7 +539,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"hpd demo: {exc}", file=sys.stderr)
         return 2
-    if args.redis_url and args.stop_redis is not None:
+    if (args.redis_url or opts.attach) and args.stop_redis is not None:
         print("hpd demo: --stop-redis needs the embedded Redis (drop --redis-url)", file=sys.stderr)
         return 2
 
@@ -488,7 +554,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = await run_demo(opts, url, redis, stop_event=stop)
         return result.status
 
-    if args.redis_url:
+    if args.redis_url or opts.attach:
         return asyncio.run(go(args.redis_url, None))
     with (
         tempfile.TemporaryDirectory(prefix="hpd-demo-") as state,
