@@ -8,7 +8,6 @@ hpd pools       list pools of a running registry
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
 from collections.abc import Callable, Sequence
@@ -60,12 +59,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if module.__name__ in TABLE_MODULES:
         return entry([name, *rest])
     return entry(rest)
-
-
-def add_common_client_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--registry", default="127.0.0.1:50051", help="registry address host:port")
-    p.add_argument("--timeout", type=float, default=5.0, help="RPC deadline in seconds")
-    p.add_argument("-o", "--output", choices=["table", "json"], default="table")
 
 
 if __name__ == "__main__":

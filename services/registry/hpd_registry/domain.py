@@ -324,10 +324,14 @@ class PoolSummary:
     max_batch_size_total: int = 0
 
 
-def summarize_pools(
-    records: Iterable[WorkerRecord], now_ms: int, heartbeat_interval_ms: int
-) -> list[PoolSummary]:
-    """Per-pool aggregates; utilisation means are over workers that reported load."""
+def heartbeat_interval_of(state: WorkerState) -> int:
+    """A worker heartbeats every third of its own lease."""
+    return max(1, state.lease_ttl_ms // 3)
+
+
+def summarize_pools(records: Iterable[WorkerRecord], now_ms: int) -> list[PoolSummary]:
+    """Per-pool aggregates; utilisation means are over workers that reported load; each
+    worker's health is judged by its own heartbeat interval."""
     pools: dict[str, PoolSummary] = {}
     reported: dict[str, int] = {}
     for rec in records:
@@ -338,7 +342,7 @@ def summarize_pools(
                 spec.pool_id, spec.model_id, spec.stages, spec.gpu_type
             )
             reported[spec.pool_id] = 0
-        health = rec.health(now_ms, heartbeat_interval_ms)
+        health = rec.health(now_ms, heartbeat_interval_of(rec.state))
         pool.worker_count += 1
         pool.workers_by_health[health.value] = pool.workers_by_health.get(health.value, 0) + 1
         pool.kv_memory_total_bytes += spec.kv_memory_total_bytes

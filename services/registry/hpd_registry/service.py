@@ -44,6 +44,7 @@ from hpd_registry.domain import (
     WorkerRecord,
     WorkerSpec,
     check_id,
+    heartbeat_interval_of,
     stamp_load,
     summarize_pools,
     validate_directive,
@@ -228,11 +229,8 @@ class RegistryService:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._tail_client.aclose(), 2)
 
-    @property
-    def heartbeat_interval_ms(self) -> int:
-        return max(1, self.settings.lease_ttl_ms // 3)
-
     def _interval_for(self, ttl_ms: int) -> int:
+        """Workers heartbeat every third of their lease (the SUSPECT rule counts two)."""
         return max(1, ttl_ms // 3)
 
     def _ttl(self, requested_ms: int) -> int:
@@ -481,7 +479,7 @@ class RegistryService:
         return rec
 
     def health(self, rec: WorkerRecord) -> Health:
-        return rec.health(self.clock.now_ms(), self._interval_for(rec.state.lease_ttl_ms))
+        return rec.health(self.clock.now_ms(), heartbeat_interval_of(rec.state))
 
     async def list_workers(
         self, flt: WorkerFilter, page_size: int, page_token: str
@@ -520,9 +518,7 @@ class RegistryService:
             for r in records
             if r.state.lease_expires_at_ms >= now and (not model_id or r.spec.model_id == model_id)
         ]
-        by_interval = {r.spec.worker_id: self._interval_for(r.state.lease_ttl_ms) for r in live}
-        interval = min(by_interval.values(), default=self.heartbeat_interval_ms)
-        return summarize_pools(live, now, interval), rev
+        return summarize_pools(live, now), rev
 
     # -- the change feed --------------------------------------------------------------------
 

@@ -227,7 +227,7 @@ def test_pool_summary_aggregates() -> None:
     a = WorkerRecord(spec(worker_id="a"), state(), LoadReport(gpu_util=0.2, queue_depth=3), 1)
     b = WorkerRecord(spec(worker_id="b"), state(cordoned=True), LoadReport(gpu_util=0.6), 2)
     c = WorkerRecord(spec(worker_id="c", pool_id="other"), state(), None, 3)
-    pools = summarize_pools([a, b, c], NOW, 3333)
+    pools = summarize_pools([a, b, c], NOW)
     assert [p.pool_id for p in pools] == ["h100-prefill", "other"]
     p = pools[0]
     assert p.worker_count == 2
