@@ -117,6 +117,23 @@ class DecisionRecord:
     def to_dict(self, max_options: int = 16) -> dict[str, Any]:
         """Plain data: every candidate's per-factor scores, the weights, the options scored
         (best first, at most ``max_options``), rejected workers and pools with reasons."""
+        explain = self.explain
+        options: list[dict[str, Any]] = []
+        for o in sorted(self.options, key=_option_order)[:max_options]:
+            factors = {**o.factors, **explain(o)} if explain is not None else o.factors
+            transfer = o.mode is Mode.TRANSFER
+            options.append(
+                {
+                    "prefill_worker_id": o.p.ws.worker_id,
+                    "decode_worker_id": o.d.ws.worker_id,
+                    "mode": o.mode.value,
+                    "score": round(o.score, 6),
+                    "ttft_ms": round(o.ttft_ms, 3),
+                    "transfer_ms": round(o.transfer_ms, 3) if transfer else None,
+                    "factors": {k: round(v, 6) for k, v in factors.items()},
+                    "kv_reasons": list(o.kv_reasons),
+                }
+            )
         return {
             "profile": self.profile,
             "tier": self.tier,
@@ -130,24 +147,7 @@ class DecisionRecord:
                 "prefill": [_cand(c) for c in self.prefill_candidates],
                 "decode": [_cand(c) for c in self.decode_candidates],
             },
-            "options": [
-                {
-                    "prefill_worker_id": o.p.ws.worker_id,
-                    "decode_worker_id": o.d.ws.worker_id,
-                    "mode": o.mode.value,
-                    "score": round(o.score, 6),
-                    "ttft_ms": round(o.ttft_ms, 3),
-                    "transfer_ms": None if o.mode is not Mode.TRANSFER else round(o.transfer_ms, 3),
-                    "factors": {
-                        k: round(v, 6)
-                        for k, v in (
-                            {**o.factors, **self.explain(o)} if self.explain else o.factors
-                        ).items()
-                    },
-                    "kv_reasons": list(o.kv_reasons),
-                }
-                for o in sorted(self.options, key=lambda o: (-o.score, o.tiebreak))[:max_options]
-            ],
+            "options": options,
             "rejected_workers": [
                 {"worker_id": w, "pool_id": p, "reason": r} for w, p, r in self.rejected_workers
             ],
@@ -156,10 +156,16 @@ class DecisionRecord:
         }
 
 
+def _option_order(o: Option) -> tuple[float, int, int]:
+    """Best first: score descending, then the snapshot tie-break (prefill, decode index)."""
+    return (-o.score, o.p.ws.idx, o.d.ws.idx)
+
+
 def _cand(c: Candidate) -> dict[str, Any]:
+    ws = c.ws
     return {
-        "worker_id": c.ws.worker_id,
-        "pool_id": c.ws.pool_id,
+        "worker_id": ws.worker_id,
+        "pool_id": ws.pool_id,
         "score": round(c.score, 6),
         "factors": {k: round(v, 6) for k, v in c.factors.items()},
         "wait_ms": round(c.wait_ms, 3),

@@ -66,13 +66,16 @@ class Planner:
     """Runs one :class:`~.config.Profile`. Holds only the round-robin cursors (state the
     round-robin baseline needs); everything else comes in per call."""
 
-    __slots__ = ("_cursor", "_dp", "_inv_wd", "_inv_wp", "_pp", "profile")
+    __slots__ = ("_cursor", "_dp", "_ds", "_inv_wd", "_inv_wp", "_pp", "_ps", "profile")
 
     def __init__(self, profile: Profile) -> None:
         self.profile = profile
         self._cursor: dict[tuple[str, Role], int] = {}
         self._pp = [(s, w) for s, w in profile.prefill.scorers if s.pairwise]
         self._dp = [(s, w) for s, w in profile.decode.scorers if s.pairwise]
+        # the pair-independent scorers of each side, (scorer, name, weight), in profile order
+        self._ps = [(s, s.name, w) for s, w in profile.prefill.scorers if not s.pairwise]
+        self._ds = [(s, s.name, w) for s, w in profile.decode.scorers if not s.pairwise]
         self._inv_wp = 1.0 / profile.prefill.total_weight
         self._inv_wd = 1.0 / profile.decode.total_weight
 
@@ -283,16 +286,16 @@ class Planner:
                 record.rejected_workers.append((ws.worker_id, ws.pool_id, reason))
 
         ref = ctx.fleet.ref_tokens
+        request = ctx.request
+        static = self._ps if role is Role.PREFILL else self._ds
         out: list[Candidate] = []
         for ws in kept:
-            c = Candidate(ws, role, ctx.request, ref)
+            c = Candidate(ws, role, request, ref)
             total = 0.0
             factors = c.factors
-            for scorer, weight in side.scorers:
-                if scorer.pairwise:
-                    continue
+            for scorer, name, weight in static:
                 v = scorer.score(c, ctx)
-                factors[scorer.name] = v
+                factors[name] = v
                 total += weight * v
             c.score = total
             out.append(c)
@@ -339,18 +342,20 @@ class Planner:
                 dropped.append((ws, reason))
         return kept, dropped
 
-    def _local(self, d: Candidate, ctx: RequestContext) -> Option:
+    def _local(self, d: Candidate, ctx: RequestContext, face: Candidate | None = None) -> Option:
         """Prefill on the decode worker itself: SAME_POOL if it serves both stages, else
-        RECOMPUTE. Its prefill-side face is scored like any prefill candidate."""
-        face = Candidate(d.ws, Role.PREFILL, ctx.request, ctx.fleet.ref_tokens)
-        total = 0.0
-        for scorer, weight in self.profile.prefill.scorers:
-            if scorer.pairwise:
-                continue
-            v = scorer.score(face, ctx)
-            face.factors[scorer.name] = v
-            total += weight * v
-        face.score = total
+        RECOMPUTE. Its prefill-side face is scored like any prefill candidate; ``face`` is
+        that candidate when the caller already holds it, unmodified, from the prefill
+        preselection (the same worker, request and scorers give the same values)."""
+        if face is None:
+            face = Candidate(d.ws, Role.PREFILL, ctx.request, ctx.fleet.ref_tokens)
+            total = 0.0
+            factors = face.factors
+            for scorer, name, weight in self._ps:
+                v = scorer.score(face, ctx)
+                factors[name] = v
+                total += weight * v
+            face.score = total
         mode = Mode.SAME_POOL if d.ws.view.stage is Stage.BOTH else Mode.RECOMPUTE
         return Option(face, d, mode, 0.0, face.run_ms, 0.0, face.wait_ms + face.run_ms)
 
@@ -390,6 +395,8 @@ class Planner:
         prompt = ctx.request.prompt_tokens
         pair_score = self._pair_score
         slo = self.profile.slo_objective
+        # a worker in both top-k lists: its prefill candidate doubles as its local face
+        faces = {id(p.ws): p for p in pcands}
         options: list[Option] = []
         for d in dcands:
             dws = d.ws
@@ -426,7 +433,7 @@ class Planner:
                     pair_score(o, xfer, ctx, wp, wd)
                     options.append(o)
             if need_local:
-                local = self._local(d, ctx)
+                local = self._local(d, ctx, faces.get(id(dws)))
                 if colocated:
                     local.mode = Mode.SAME_POOL
                 pair_score(local, _handoff_cost(local), ctx, wp, wd)
