@@ -102,6 +102,15 @@ log = get_logger("scheduler")
 
 _ZERO = Totals()
 
+_EXPLAIN_DELAY_S = 0.005
+"""How long the explanation writer waits after being woken: the responses of the requests
+just planned go out first (the writer would otherwise run before their replies are sent),
+and the explanations of a burst are encoded and written together."""
+
+_EXPLAIN_BATCH = 64
+"""Explanations encoded per script call; the writer yields to the loop between batches so
+a long queue does not hold up the requests arriving meanwhile."""
+
 
 @dataclass(frozen=True, slots=True)
 class SchedulerSettings(ServerSettings):
@@ -696,8 +705,8 @@ class SchedulerService:
 
     async def _flush_explanations(self) -> None:
         while self._explain_q:
-            batch = self._explain_q[:256]
-            del self._explain_q[:256]
+            batch = self._explain_q[:_EXPLAIN_BATCH]
+            del self._explain_q[:_EXPLAIN_BATCH]
             items: list[tuple[str, str]] = []
             for rid, decision in batch:
                 try:
@@ -709,6 +718,7 @@ class SchedulerService:
     async def _explain_loop(self) -> None:
         while not self._stopping:
             await self._explain_wake.wait()
+            await asyncio.sleep(_EXPLAIN_DELAY_S)
             self._explain_wake.clear()
             try:
                 await self._flush_explanations()
