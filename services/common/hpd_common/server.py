@@ -203,9 +203,12 @@ class GrpcServer:
             self._ready_task.cancel()
             await asyncio.gather(self._ready_task, return_exceptions=True)
         with contextlib.suppress(Exception):
-            await self.health.enter_graceful_shutdown()
+            await asyncio.wait_for(self.health.enter_graceful_shutdown(), timeout=2)
         if self._server is not None:
-            await self._server.stop(grace)
+            try:  # bounded: a connection stuck mid-handshake must not hold shutdown forever
+                await asyncio.wait_for(self._server.stop(grace), timeout=grace + 5)
+            except TimeoutError:
+                log.warning("server_stop_timed_out", service=self.name)
         try:
             await asyncio.wait_for(self.component.stop(), timeout=grace + 5)
         except TimeoutError:
