@@ -327,6 +327,20 @@ def worker_load(ws: WorkerState) -> float:
     return load
 
 
+def session_request_id(request_id: str, attempt: int) -> str:
+    """The broker's idempotency key for one planning attempt's KV session.
+
+    Attempt 0 uses the request id, so a retried Schedule finds the same session. A later
+    attempt (the previous reservation came back FULL and its session is being aborted)
+    gets a key of its own: reusing the request id would hand it the aborted session, or
+    ALREADY_EXISTS for a different pair. Keys stay within the broker's 128 characters.
+    """
+    if attempt == 0:
+        return request_id
+    suffix = f":a{attempt}"
+    return request_id[: 128 - len(suffix)] + suffix
+
+
 class SchedulerService:
     """The scheduler's use cases; the gRPC servicer is a thin layer over this."""
 
@@ -570,7 +584,7 @@ class SchedulerService:
             raise InvalidArgument(exc.field, exc.message) from None
         fleet = self.fleet()
         resynced = False
-        for _ in range(s.max_plan_attempts):
+        for attempt in range(s.max_plan_attempts):
             now_ms = self.clock.now_ms()
             try:
                 decision = pol.planner.plan(req, fleet, now_ms / 1000.0, self.rng)
@@ -602,7 +616,7 @@ class SchedulerService:
             if plan.mode is Mode.TRANSFER and self.opener.enabled:
                 try:
                     session = await self.opener.open(
-                        req.request_id,
+                        session_request_id(req.request_id, attempt),
                         plan.prefill_worker_id,
                         plan.decode_worker_id,
                         plan.estimates.kv_bytes,
