@@ -66,6 +66,9 @@ async def test_killed_decode_worker_fails_its_sessions_and_requests_fall_back(
     assert late and all(killed != r.plan.decode_worker_id for r in late[len(late) // 2 :])
 
 
+CUT_AT_S = 2.0
+
+
 async def test_slow_link_switches_the_pair_to_recompute(
     redis_server: EmbeddedRedis, key_prefix: str, tmp_path: Path
 ) -> None:
@@ -79,11 +82,15 @@ async def test_slow_link_switches_the_pair_to_recompute(
     )
     res = await replay(
         redis_server, key_prefix, cluster=cluster, rate_scale=2.0, duration_s=40.0,
-        faults=(Fault("slow_link", "h100-prefill-a>a100-decode-b", 10.0, at_s=2.0),),
+        faults=(Fault("slow_link", "h100-prefill-a>a100-decode-b", 10.0, at_s=CUT_AT_S),),
     )  # fmt: skip
     planned = sorted(res.route, key=lambda r: r.request_id)
-    quarter = len(planned) // 4
-    first, last = planned[:quarter], planned[-quarter:]
+    # before the cut (planned within CUT_AT_S wall seconds of the first plan) against the
+    # last quarter, long after it: a count-based first quarter would straddle the cut
+    start_ms = min(r.created_at_unix_ms for r in planned)
+    first = [r for r in planned if r.created_at_unix_ms < start_ms + CUT_AT_S * 1000]
+    last = planned[-(len(planned) // 4) :]
+    assert len(first) >= 20 and len(last) >= 20
 
     def share(rs: list[s.RouteRecord], mode: int) -> float:
         return sum(r.plan.mode == mode for r in rs) / len(rs)

@@ -74,6 +74,29 @@ class Component(Protocol):
     def ready(self) -> bool: ...
 
 
+class ServiceComponent:
+    """A service's use-case object as a Component: start, stop, always ready. Each service
+    subclasses it to name its gRPC service and add its servicer (and, for the scheduler,
+    to answer readiness from its fleet view's age)."""
+
+    service_names: tuple[str, ...] = ()
+
+    def __init__(self, service: Any) -> None:
+        self.service = service
+
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        raise NotImplementedError
+
+    async def start(self) -> None:
+        await self.service.start()
+
+    async def stop(self) -> None:
+        await self.service.stop()
+
+    def ready(self) -> bool:
+        return True
+
+
 def server_credentials(settings: ServerSettings) -> grpc.ServerCredentials | None:
     """TLS (cert + key) or mutual TLS (plus client CA) credentials, or None for plaintext."""
     if not settings.tls_cert_file and not settings.tls_key_file:

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import signal
 from collections.abc import Sequence
 from pathlib import Path
 
-from hpd_common import redis_conn
+from hpd_common.controlplane import ControlPlane, ControlPlaneSettings
 from hpd_common.embedded_redis import EmbeddedRedis
 from hpd_common.logging import configure_logging, get_logger
 from hpd_common.metrics import serve_metrics
-from hpd_common.server import GrpcServer, run_until_signal
 
 log = get_logger("up")
 
@@ -43,57 +44,50 @@ def parser() -> argparse.ArgumentParser:
 
 
 async def _serve(args: argparse.Namespace, redis_url: str) -> None:
-    from hpd_kvbroker.__main__ import build_server as build_kvbroker
     from hpd_kvbroker.service import KvBrokerSettings
-    from hpd_registry.__main__ import build_server as build_registry
     from hpd_registry.service import RegistrySettings
-    from hpd_scheduler.__main__ import build_server as build_scheduler
     from hpd_scheduler.service import SchedulerSettings
 
-    client = redis_conn.connect(redis_url)
-    servers: list[GrpcServer] = [
-        build_registry(
-            RegistrySettings(
-                host=args.host,
-                port=args.registry_port,
-                redis_url=redis_url,
-                lease_ttl_ms=args.lease_ttl_ms,
-                log_level=args.log_level,
-            ),
-            client,
-        ),
-        build_scheduler(
-            SchedulerSettings(
-                host=args.host,
-                port=args.scheduler_port,
-                redis_url=redis_url,
-                registry_target=f"{args.host}:{args.registry_port}",
-                broker_target=f"{args.host}:{args.kvbroker_port}",
-                log_level=args.log_level,
-            ),
-            client,
-        ),
-        build_kvbroker(
-            KvBrokerSettings(
-                host=args.host,
-                port=args.kvbroker_port,
-                redis_url=redis_url,
-                registry_target=f"{args.host}:{args.registry_port}",
-                log_level=args.log_level,
-            ),
-            client,
-        ),
-    ]
-
-    async def started() -> None:
-        for s in servers:
-            print(f"hpd: {s.name} listening on {args.host}:{s.port}", flush=True)
-        print(f"hpd: state store {redis_url}; Ctrl-C to stop", flush=True)
-
+    reg, kvb, sch = RegistrySettings(), KvBrokerSettings(), SchedulerSettings()
+    cp = ControlPlane(
+        ControlPlaneSettings(  # the services' own defaults: this is the long-lived setup
+            redis_url=redis_url,
+            host=args.host,
+            registry_port=args.registry_port,
+            scheduler_port=args.scheduler_port,
+            kvbroker_port=args.kvbroker_port,
+            key_prefix=reg.key_prefix,
+            lease_ttl_ms=args.lease_ttl_ms,
+            sweep_interval_ms=reg.sweep_interval_ms,
+            bookmark_interval_ms=reg.bookmark_interval_ms,
+            staleness_bound_ms=sch.staleness_bound_ms,
+            session_lease_ttl_ms=kvb.lease_ttl_ms,
+            session_deadline_ms=kvb.default_deadline_ms,
+            profile=sch.profile,
+            directive_interval_ms=sch.directive_interval_ms,
+            informer_max_backoff_ms=sch.informer_max_backoff_ms,
+            scheduler_id=sch.scheduler_id,
+            log_level=args.log_level,
+        )
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
     try:
-        await run_until_signal(servers, on_started=started)
+        await cp.start()
+        for name, target in (
+            ("registry", cp.registry_target),
+            ("scheduler", cp.scheduler_target),
+            ("kvbroker", cp.kvbroker_target),
+        ):
+            print(f"hpd: {name} listening on {target}", flush=True)
+        print(f"hpd: state store {redis_url}; Ctrl-C to stop", flush=True)
+        await stop.wait()
+        log.info("shutdown_requested")
     finally:
-        await client.aclose()
+        await cp.stop(grace_s=None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

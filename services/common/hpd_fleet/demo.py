@@ -37,6 +37,7 @@ from hetero_pd.v1 import kvbroker_pb2_grpc as kb_grpc
 from hetero_pd.v1 import scheduler_pb2 as s
 from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
 from hpd_common.clock import SystemClock
+from hpd_common.controlplane import ControlPlane, ControlPlaneSettings
 from hpd_common.embedded_redis import EmbeddedRedis
 from hpd_common.logging import configure_logging, get_logger
 from hpd_common.traces import Trace, load_trace, reshape
@@ -44,7 +45,6 @@ from hpd_scheduler.sim.cluster import ClusterSpec, load_cluster
 from hpd_scheduler.sim.metrics import Slo
 
 from .client import ClientTiming
-from .controlplane import ControlPlane, ControlPlaneSettings
 from .engine import EmuTime
 from .faults import Fault, FaultInjector, parse_fault
 from .fleet import Fleet, default_cluster_path

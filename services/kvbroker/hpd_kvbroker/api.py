@@ -12,6 +12,7 @@ from hetero_pd.v1 import kvbroker_pb2_grpc as k_grpc
 from hpd_common import rpc
 from hpd_common.errors import InvalidArgument
 from hpd_common.kvformat import KvFormat
+from hpd_common.server import ServiceComponent
 from hpd_kvbroker import convert as cv
 from hpd_kvbroker.service import KvBrokerService, OpenRequest
 
@@ -122,22 +123,11 @@ class KvBrokerApi(k_grpc.KvBrokerServiceServicer):
         )
 
 
-class KvBrokerComponent:
+class KvBrokerComponent(ServiceComponent):
     """The KV broker as the server bootstrap sees it."""
 
     service_names = (SERVICE_NAME,)
-
-    def __init__(self, service: KvBrokerService) -> None:
-        self.service = service
+    service: KvBrokerService
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         k_grpc.add_KvBrokerServiceServicer_to_server(KvBrokerApi(self.service), server)
-
-    async def start(self) -> None:
-        await self.service.start()
-
-    async def stop(self) -> None:
-        await self.service.stop()
-
-    def ready(self) -> bool:
-        return True

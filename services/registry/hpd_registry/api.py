@@ -12,6 +12,7 @@ from hetero_pd.v1 import registry_pb2 as r
 from hetero_pd.v1 import registry_pb2_grpc as r_grpc
 from hpd_common import rpc
 from hpd_common.errors import InvalidArgument
+from hpd_common.server import ServiceComponent
 from hpd_registry import convert as cv
 from hpd_registry.domain import Health, LoadReport, Stage, WorkerFilter
 from hpd_registry.service import (
@@ -197,22 +198,11 @@ class RegistryApi(r_grpc.RegistryServiceServicer):
         return r.SendDirectiveResponse(directive_id=directive_id, delivered_now=now)
 
 
-class RegistryComponent:
+class RegistryComponent(ServiceComponent):
     """The registry as the server bootstrap sees it."""
 
     service_names = (SERVICE_NAME,)
-
-    def __init__(self, service: RegistryService) -> None:
-        self.service = service
+    service: RegistryService
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         r_grpc.add_RegistryServiceServicer_to_server(RegistryApi(self.service), server)
-
-    async def start(self) -> None:
-        await self.service.start()
-
-    async def stop(self) -> None:
-        await self.service.stop()
-
-    def ready(self) -> bool:
-        return True

@@ -10,6 +10,7 @@ from hetero_pd.v1 import scheduler_pb2 as s
 from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
 from hpd_common import rpc
 from hpd_common.errors import InvalidArgument
+from hpd_common.server import ServiceComponent
 from hpd_scheduler import convert as cv
 from hpd_scheduler.service import SchedulerService
 
@@ -79,22 +80,14 @@ class SchedulerApi(s_grpc.SchedulerServiceServicer):
         return cv.recommendations_to_pb(self.svc.recommendations(request.model_id))
 
 
-class SchedulerComponent:
+class SchedulerComponent(ServiceComponent):
     """The scheduler as the server bootstrap sees it."""
 
     service_names = (SERVICE_NAME,)
-
-    def __init__(self, service: SchedulerService) -> None:
-        self.service = service
+    service: SchedulerService
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         s_grpc.add_SchedulerServiceServicer_to_server(SchedulerApi(self.service), server)
 
-    async def start(self) -> None:
-        await self.service.start()
-
-    async def stop(self) -> None:
-        await self.service.stop()
-
     def ready(self) -> bool:
-        return self.service.ready()
+        return bool(self.service.ready())

@@ -2,8 +2,8 @@
 
 The servers are the real ones (each service's ``build_server``), started in dependency
 order so that a port of 0 works: the registry first (the others watch it), then the broker,
-then the scheduler (which opens sessions at the broker). Used by ``hpd demo`` and the
-end-to-end tests; ``hpd up`` runs the same services for a long-lived deployment.
+then the scheduler (which opens sessions at the broker). ``hpd up`` runs it with the
+services' production timings; ``hpd demo`` and the end-to-end tests with shorter ones.
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ class ControlPlaneSettings:
     session_deadline_ms: int = 30_000
     profile: str = "default"
     directive_interval_ms: int = 2_000
+    informer_max_backoff_ms: int = 500
+    scheduler_id: str = "demo"
     log_level: str = "warning"
     scheduler_extra: dict[str, object] = field(default_factory=dict)
 
@@ -125,8 +127,8 @@ class ControlPlane:
                 staleness_bound_ms=s.staleness_bound_ms,
                 profile=s.profile,
                 directive_interval_ms=s.directive_interval_ms,
-                informer_max_backoff_ms=500,
-                scheduler_id="demo",
+                informer_max_backoff_ms=s.informer_max_backoff_ms,
+                scheduler_id=s.scheduler_id,
                 log_level=s.log_level,
                 **s.scheduler_extra,  # type: ignore[arg-type]
             ),
@@ -134,10 +136,11 @@ class ControlPlane:
         )
         await self.scheduler.start()
 
-    async def stop(self) -> None:
+    async def stop(self, grace_s: float | None = 0) -> None:
+        """Stops the servers in reverse order; grace_s None = each server's own grace."""
         for server in reversed(self.servers):
             with contextlib.suppress(Exception):
-                await server.stop(0)
+                await server.stop(grace_s)
             if server.redis is not None:
                 with contextlib.suppress(Exception):
                     await server.redis.aclose()
