@@ -208,23 +208,33 @@ class WorkerState:
     admin_reason: str = ""
 
 
+def flag_health(*, unhealthy: bool, suspect: bool, draining: bool, cordoned: bool) -> Health:
+    """The precedence of a live worker's flags: UNHEALTHY > SUSPECT > DRAINING > CORDONED."""
+    if unhealthy:
+        return Health.UNHEALTHY
+    if suspect:
+        return Health.SUSPECT
+    if draining:
+        return Health.DRAINING
+    if cordoned:
+        return Health.CORDONED
+    return Health.HEALTHY
+
+
 def derive_health(state: WorkerState, now_ms: int, heartbeat_interval_ms: int) -> Health:
-    """The single health value from the state's parts, by precedence.
+    """The single health value from the state's parts, by precedence (EXPIRED first).
 
     SUSPECT when the sweeper flagged it (two missed intervals or a stale load report)
     or when, at `now_ms`, more than two heartbeat intervals have passed since the last.
     """
     if state.lease_expires_at_ms < now_ms:
         return Health.EXPIRED
-    if state.unhealthy:
-        return Health.UNHEALTHY
-    if state.suspect or now_ms - state.last_heartbeat_ms > 2 * heartbeat_interval_ms:
-        return Health.SUSPECT
-    if state.draining:
-        return Health.DRAINING
-    if state.cordoned:
-        return Health.CORDONED
-    return Health.HEALTHY
+    return flag_health(
+        unhealthy=state.unhealthy,
+        suspect=state.suspect or now_ms - state.last_heartbeat_ms > 2 * heartbeat_interval_ms,
+        draining=state.draining,
+        cordoned=state.cordoned,
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,6 +44,7 @@ from hpd_registry.domain import (
     WorkerRecord,
     WorkerSpec,
     check_id,
+    flag_health,
     heartbeat_interval_of,
     stamp_load,
     summarize_pools,
@@ -324,13 +325,10 @@ class RegistryService:
                         fut.set_result(res)
 
     def _health_of(self, res: HeartbeatResult) -> Health:
-        if res.unhealthy:
-            return Health.UNHEALTHY
-        if res.draining:
-            return Health.DRAINING
-        if res.cordoned:
-            return Health.CORDONED
-        return Health.HEALTHY
+        # a heartbeat that was just accepted clears SUSPECT
+        return flag_health(
+            unhealthy=res.unhealthy, suspect=False, draining=res.draining, cordoned=res.cordoned
+        )
 
     def _raise_for(self, res: HeartbeatResult, worker_id: str) -> None:
         if res.status == "gone":

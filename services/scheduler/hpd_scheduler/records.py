@@ -96,18 +96,7 @@ def head_of(
                 "ttft_ms": _r(e.ttft_ms),
                 "tpot_ms": _r(e.tpot_ms),
             },
-            "fallbacks": [
-                {
-                    "mode": f.mode.value,
-                    "prefill_worker_id": f.prefill_worker_id,
-                    "decode_worker_id": f.decode_worker_id,
-                    "decode_pool_id": f.decode_pool_id,
-                    "reason": f.reason,
-                    "est_ttft_ms": _r(f.est_ttft_ms),
-                    "remaining_budget_ms": _r(f.remaining_budget_ms),
-                }
-                for f in chain
-            ],
+            "fallbacks": [f.to_dict() for f in chain],
         }
     summary = decision.route_record()
     if p is not None:

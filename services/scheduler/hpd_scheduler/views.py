@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from hpd_registry.domain import Stage as RegStage
-from hpd_registry.domain import WorkerRecord
+from hpd_registry.domain import WorkerRecord, flag_health
 from hpd_scheduler.feedback import Ewma, ObservedEstimates
 from hpd_scheduler.policy import (
     Health,
@@ -38,15 +38,10 @@ __all__ = ["health_of", "link_model", "view_of"]
 def health_of(rec: WorkerRecord) -> Health:
     """The registry's flags as a policy health, by the registry's precedence."""
     st = rec.state
-    if st.unhealthy:
-        return Health.UNHEALTHY
-    if st.suspect:
-        return Health.SUSPECT
-    if st.draining:
-        return Health.DRAINING
-    if st.cordoned:
-        return Health.CORDONED
-    return Health.HEALTHY
+    flagged = flag_health(
+        unhealthy=st.unhealthy, suspect=st.suspect, draining=st.draining, cordoned=st.cordoned
+    )
+    return Health(flagged.value.lower())
 
 
 def _stage(stages: tuple[RegStage, ...]) -> Stage:

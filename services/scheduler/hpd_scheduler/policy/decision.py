@@ -95,6 +95,17 @@ class FallbackStep:
     est_ttft_ms: float
     remaining_budget_ms: float
 
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode.value,
+            "prefill_worker_id": self.prefill_worker_id,
+            "decode_worker_id": self.decode_worker_id,
+            "decode_pool_id": self.decode_pool_id,
+            "reason": self.reason,
+            "est_ttft_ms": round(self.est_ttft_ms, 3),
+            "remaining_budget_ms": round(self.remaining_budget_ms, 3),
+        }
+
 
 @dataclass(slots=True)
 class DecisionRecord:
@@ -242,18 +253,7 @@ class Decision:
                     for s in self.action.steps
                 ],
             },
-            "fallbacks": [
-                {
-                    "mode": f.mode.value,
-                    "prefill_worker_id": f.prefill_worker_id,
-                    "decode_worker_id": f.decode_worker_id,
-                    "decode_pool_id": f.decode_pool_id,
-                    "reason": f.reason,
-                    "est_ttft_ms": round(f.est_ttft_ms, 3),
-                    "remaining_budget_ms": round(f.remaining_budget_ms, 3),
-                }
-                for f in self.fallbacks
-            ],
+            "fallbacks": [f.to_dict() for f in self.fallbacks],
             "reject_reasons": list(self.reject_reasons),
             "reject_class": self.reject_class,
             "retry_after_ms": self.retry_after_ms,
