@@ -8,6 +8,7 @@ suite), the registry at that address.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -23,9 +24,21 @@ from hetero_pd.v1 import registry_pb2_grpc as r_grpc
 from hpd_common import redis_conn
 from hpd_common.embedded_redis import EmbeddedRedis
 from hpd_common.logging import configure_logging
-from hpd_common.server import GrpcServer
+from hpd_common.server import GrpcServer, pin_grpc_aio_runtime
 
 configure_logging("warning", json_logs=False)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Pin gRPC's asyncio runtime for the session (see ``pin_grpc_aio_runtime``): every test
+    runs on its own event loop and frees its servers and channels, and without the pin each
+    test would cross the runtime's teardown, which can deadlock."""
+    del config
+
+    async def pin() -> None:
+        pin_grpc_aio_runtime()
+
+    asyncio.run(pin())
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import shutil
 import subprocess
+import sys
+import textwrap
 import urllib.request
 from pathlib import Path
 
@@ -182,3 +184,33 @@ async def test_metrics_endpoint_counts_rpcs(redis_server: EmbeddedRedis, key_pre
         assert 'hpd_redis_up{service="registry"} 1.0' in text
     finally:
         await server.stop(0)
+
+
+def test_grpc_aio_runtime_outlives_its_last_server() -> None:
+    """``pin_grpc_aio_runtime``: freeing the last server must not tear gRPC's asyncio runtime
+    down (that teardown can deadlock), so the one poller thread it started keeps running
+    across servers started and freed on three event loops."""
+    code = textwrap.dedent(
+        """
+        import asyncio, gc, threading
+        import grpc
+        from hpd_common.server import pin_grpc_aio_runtime
+
+        async def main() -> None:
+            pin_grpc_aio_runtime()
+            server = grpc.aio.server()
+            server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            await server.stop(0)
+            del server
+            gc.collect()
+
+        for _ in range(3):
+            asyncio.run(main())
+        print(sum("_poll_wrapper" in t.name for t in threading.enumerate()))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.strip() == "1"

@@ -134,6 +134,29 @@ SERVER_OPTIONS = [
 ]
 
 
+_grpc_aio_pinned = False
+
+
+def pin_grpc_aio_runtime() -> None:
+    """Keep gRPC's asyncio runtime alive for the rest of the process. Idempotent; call it
+    with the event loop running (``GrpcServer.start`` does).
+
+    ``grpc.aio`` starts its runtime (a completion-queue poller thread plus a socket pair that
+    wakes the event loop) with the first channel or server and tears it down when the last
+    one is freed. That teardown can deadlock in grpcio 1.76: the loop stops draining the
+    wake-up socket before the poller thread has seen the shutdown, and a poller blocked on
+    the full socket is then joined forever, from whatever frame freed the last object. A
+    process that stops its last server or channel and later opens another (``hpd demo``,
+    ``hpd up`` restarts, a test session) crosses that teardown each time. One extra
+    reference taken here means it never runs while the process lives; at exit the poller is
+    a daemon thread and the interpreter skips the teardown.
+    """
+    global _grpc_aio_pinned
+    if not _grpc_aio_pinned:
+        grpc.aio.init_grpc_aio()
+        _grpc_aio_pinned = True
+
+
 class GrpcServer:
     """Serves one component on one port with health, reflection and diagnostics."""
 
@@ -159,6 +182,7 @@ class GrpcServer:
 
     async def start(self) -> int:
         """Binds, starts the component and the server; returns the bound port."""
+        pin_grpc_aio_runtime()
         server = grpc.aio.server(options=SERVER_OPTIONS)
         self.component.add_to_server(server)
         diagnostics_pb2_grpc.add_DiagnosticsServiceServicer_to_server(
