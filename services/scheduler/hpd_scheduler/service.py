@@ -94,7 +94,6 @@ from hpd_scheduler.store import (
     SchedulerStore,
     StoredRecord,
     Totals,
-    dumps,
 )
 from hpd_scheduler.views import link_model, view_of
 
@@ -724,7 +723,7 @@ class SchedulerService:
             items: list[tuple[str, str]] = []
             for rid, decision in batch:
                 try:
-                    items.append((rid, dumps(decision.record.to_dict(max_options=8))))
+                    items.append((rid, decision.record.encode(max_options=8)))
                 except (ValueError, TypeError):
                     log.warning("explanation_not_serialisable", request_id=rid)
             await self.store.write_explanations(items)

@@ -31,6 +31,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from hpd_common.errors import Unavailable
 from hpd_scheduler.keys import SchedulerKeys
+from hpd_scheduler.policy.decision import decode_explanation
 
 # KEYS: 1 totals, 2 reservations, 3 expiry. Releases one reservation by request id.
 _RELEASE_FN = """
@@ -339,7 +340,10 @@ class SchedulerStore:
         head = _json(raw[0])
         if head is None:
             return None
-        return StoredRecord(head, _json(raw[1]), _json(raw[2]))
+        explanation = _json(raw[1])
+        if explanation is not None:
+            explanation = decode_explanation(explanation)
+        return StoredRecord(head, explanation, _json(raw[2]))
 
     async def index_page(
         self, max_ms: int | None, min_ms: int, count: int

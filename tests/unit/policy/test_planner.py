@@ -36,6 +36,7 @@ from hpd_scheduler.policy import (
     parse_profile,
     release_reservations,
 )
+from hpd_scheduler.policy.decision import decode_explanation
 from hpd_scheduler.policy.domain import ResourceNeed
 from hpd_scheduler.policy.framework import Candidate, RequestContext
 from hpd_scheduler.policy.plugins import (
@@ -537,6 +538,40 @@ def test_decision_record_is_complete_and_json_ready() -> None:
         "service_action": "keep_heterogeneous_route",
         "protect": "throughput",
     }
+
+
+def test_stored_record_decodes_to_the_same_explanation() -> None:
+    """The compact stored form (numbers packed as float64, factor names once) reads back as
+    exactly the plain record, values rounded as the record rounds them; a plain document
+    stored before the compact form existed reads back unchanged."""
+    views = [
+        worker("p", Stage.PREFILL, rack="r1"),
+        worker("p2", Stage.PREFILL, rack="r2"),
+        worker("d", rack="r1"),
+        worker("d2", Stage.BOTH, rack="r2"),
+        worker("sick", health=Health.DRAINING, pool="pool-sick"),
+    ]
+    decision, _ = plan(views)
+    record = decision.record
+    text = record.encode(max_options=3)
+    assert len(text) < len(json.dumps(record.to_dict(max_options=3)))
+    back = decode_explanation(json.loads(text))
+    assert back == record.to_dict(max_options=3)
+    assert len(back["options"]) == 3
+    scores = [o["score"] for o in back["options"]]
+    assert scores == sorted(scores, reverse=True)
+    exact = max(record.options, key=lambda o: o.score)
+    assert back["options"][0]["score"] == round(exact.score, 6)
+    assert back["options"][0]["ttft_ms"] == round(exact.ttft_ms, 3)
+    plain = {"profile": "default", "options": []}
+    assert decode_explanation(plain) is plain
+
+
+def test_a_record_with_a_non_finite_value_is_refused() -> None:
+    decision, _ = plan([worker("p", Stage.PREFILL), worker("d")])
+    decision.record.memory_pressure = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        decision.record.encode()
 
 
 def test_release_undoes_reservations() -> None:

@@ -7,6 +7,11 @@ is called: the hot path pays nothing for explainability it does not serialise.
 
 from __future__ import annotations
 
+import base64
+import json
+import math
+import sys
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +27,8 @@ __all__ = [
     "FallbackStep",
     "RejectClass",
     "RoutePlan",
+    "decode_explanation",
+    "expand_explanation",
 ]
 
 
@@ -128,61 +135,187 @@ class DecisionRecord:
     def to_dict(self, max_options: int = 16) -> dict[str, Any]:
         """Plain data: every candidate's per-factor scores, the weights, the options scored
         (best first, at most ``max_options``), rejected workers and pools with reasons."""
+        return expand_explanation(self.compact(max_options))
+
+    def encode(self, max_options: int = 16) -> str:
+        """:meth:`compact` as one JSON text (what the scheduler stores per route record);
+        :func:`decode_explanation` turns it back into :meth:`to_dict`'s form."""
+        doc = self.compact(max_options)
+        nums = doc["n"]
+        if sys.byteorder != "little":
+            nums.byteswap()
+        doc["n"] = base64.b64encode(nums.tobytes()).decode("ascii")
+        return json.dumps(doc, separators=(",", ":"), allow_nan=False)
+
+    def compact(self, max_options: int = 16) -> dict[str, Any]:
+        """The record as a compact document: every number in one float64 array ``n``, in
+        the order :func:`expand_explanation` reads them back, and the strings in ``s``.
+
+        Encoding a record is paid once per decision on the scheduler's event loop, while
+        reading one back is rare (``GetRouteRecord``): formatting ~150 floats as decimal
+        text and building nested dicts per decision cost more than the decision itself.
+        Factor names repeat across candidates, so each distinct name list is stored once
+        (``s[5]``) and referenced by position. Non-finite values raise ``ValueError``, as
+        strict JSON would."""
+        nums = array("d")
+        tables: dict[tuple[str, ...], int] = {}
+
+        def table(keys: tuple[str, ...]) -> int:
+            at = tables.get(keys)
+            if at is None:
+                at = tables[keys] = len(tables)
+            return at
+
+        nums.append(self.memory_pressure)
+        nums.extend(self.prefill_weights.values())
+        nums.extend(self.decode_weights.values())
+        nums.extend(self.side_weights)
+        sides: list[list[list[Any]]] = []
+        for cands in (self.prefill_candidates, self.decode_candidates):
+            rows: list[list[Any]] = []
+            for c in cands:
+                f = c.factors
+                rows.append([c.ws.worker_id, c.ws.pool_id, table(tuple(f))])
+                nums.extend((c.score, c.wait_ms, c.run_ms, c.step_ms))
+                nums.extend(f.values())
+            sides.append(rows)
         explain = self.explain
-        options: list[dict[str, Any]] = []
+        options: list[list[Any]] = []
         for o in sorted(self.options, key=_option_order)[:max_options]:
-            factors = {**o.factors, **explain(o)} if explain is not None else o.factors
+            f = {**o.factors, **explain(o)} if explain is not None else o.factors
             transfer = o.mode is Mode.TRANSFER
             options.append(
+                [
+                    o.p.ws.worker_id,
+                    o.d.ws.worker_id,
+                    o.mode.value,
+                    table(tuple(f)),
+                    1 if transfer else 0,
+                    o.kv_reasons,
+                ]
+            )
+            nums.extend((o.score, o.ttft_ms, o.transfer_ms if transfer else 0.0))
+            nums.extend(f.values())
+        if not math.isfinite(sum(nums)):  # one pass in C; a NaN or inf anywhere shows here
+            bad = [x for x in nums if not math.isfinite(x)]
+            if bad:
+                raise ValueError(f"non-finite value {bad[0]!r} in a decision record")
+        return {
+            "v": 2,
+            "s": [
+                self.profile,
+                self.tier,
+                list(self.prefill_weights),
+                list(self.decode_weights),
+                len(self.side_weights),
+                [list(k) for k in tables],
+                sides[0],
+                sides[1],
+                options,
+                self.rejected_workers,
+                self.rejected_pools,
+                self.notes,
+            ],
+            "n": nums,
+        }
+
+
+def decode_explanation(doc: dict[str, Any]) -> dict[str, Any]:
+    """A stored explanation as :meth:`DecisionRecord.to_dict` returns it: the compact form
+    (``"v": 2``, ``n`` base64 little-endian float64) is expanded; a plain document (written
+    before the compact form existed) comes back unchanged."""
+    if doc.get("v") != 2:
+        return doc
+    nums = array("d")
+    nums.frombytes(base64.b64decode(doc["n"]))
+    if sys.byteorder != "little":
+        nums.byteswap()
+    return expand_explanation({"v": 2, "s": doc["s"], "n": nums})
+
+
+def expand_explanation(doc: dict[str, Any]) -> dict[str, Any]:
+    """:meth:`DecisionRecord.compact` back to plain data (the one place the record's public
+    shape is written down)."""
+    (
+        profile,
+        tier,
+        pnames,
+        dnames,
+        n_sides,
+        tables,
+        pcands,
+        dcands,
+        options,
+        rejected_workers,
+        rejected_pools,
+        notes,
+    ) = doc["s"]
+    it = iter(doc["n"])
+
+    def take(n: int) -> list[float]:
+        return [next(it) for _ in range(n)]
+
+    def factors(t: int) -> dict[str, float]:
+        names = tables[t]
+        return {k: round(v, 6) for k, v in zip(names, take(len(names)), strict=True)}
+
+    pressure = next(it)
+    pw = dict(zip(pnames, take(len(pnames)), strict=True))
+    dw = dict(zip(dnames, take(len(dnames)), strict=True))
+    side_weights = take(n_sides)
+
+    def cands(rows: list[list[Any]]) -> list[dict[str, Any]]:
+        out = []
+        for wid, pool, t in rows:
+            score, wait, run, step = take(4)
+            out.append(
                 {
-                    "prefill_worker_id": o.p.ws.worker_id,
-                    "decode_worker_id": o.d.ws.worker_id,
-                    "mode": o.mode.value,
-                    "score": round(o.score, 6),
-                    "ttft_ms": round(o.ttft_ms, 3),
-                    "transfer_ms": round(o.transfer_ms, 3) if transfer else None,
-                    "factors": {k: round(v, 6) for k, v in factors.items()},
-                    "kv_reasons": list(o.kv_reasons),
+                    "worker_id": wid,
+                    "pool_id": pool,
+                    "score": round(score, 6),
+                    "factors": factors(t),
+                    "wait_ms": round(wait, 3),
+                    "prefill_ms": round(run, 3),
+                    "step_ms": round(step, 3),
                 }
             )
-        return {
-            "profile": self.profile,
-            "tier": self.tier,
-            "memory_pressure": round(self.memory_pressure, 6),
-            "weights": {
-                "prefill": dict(self.prefill_weights),
-                "decode": dict(self.decode_weights),
-                "sides": list(self.side_weights),
-            },
-            "candidates": {
-                "prefill": [_cand(c) for c in self.prefill_candidates],
-                "decode": [_cand(c) for c in self.decode_candidates],
-            },
-            "options": options,
-            "rejected_workers": [
-                {"worker_id": w, "pool_id": p, "reason": r} for w, p, r in self.rejected_workers
-            ],
-            "rejected_pools": {k: list(v) for k, v in self.rejected_pools.items()},
-            "notes": list(self.notes),
-        }
+        return out
+
+    prefill = cands(pcands)
+    decode = cands(dcands)
+    opts = []
+    for pid, did, mode, t, transfer, kv_reasons in options:
+        score, ttft, xfer = take(3)
+        opts.append(
+            {
+                "prefill_worker_id": pid,
+                "decode_worker_id": did,
+                "mode": mode,
+                "score": round(score, 6),
+                "ttft_ms": round(ttft, 3),
+                "transfer_ms": round(xfer, 3) if transfer else None,
+                "factors": factors(t),
+                "kv_reasons": list(kv_reasons),
+            }
+        )
+    return {
+        "profile": profile,
+        "tier": tier,
+        "memory_pressure": round(pressure, 6),
+        "weights": {"prefill": pw, "decode": dw, "sides": side_weights},
+        "candidates": {"prefill": prefill, "decode": decode},
+        "options": opts,
+        "rejected_workers": [
+            {"worker_id": w, "pool_id": p, "reason": r} for w, p, r in rejected_workers
+        ],
+        "rejected_pools": {k: list(v) for k, v in rejected_pools.items()},
+        "notes": list(notes),
+    }
 
 
 def _option_order(o: Option) -> tuple[float, int, int]:
     """Best first: score descending, then the snapshot tie-break (prefill, decode index)."""
     return (-o.score, o.p.ws.idx, o.d.ws.idx)
-
-
-def _cand(c: Candidate) -> dict[str, Any]:
-    ws = c.ws
-    return {
-        "worker_id": ws.worker_id,
-        "pool_id": ws.pool_id,
-        "score": round(c.score, 6),
-        "factors": {k: round(v, 6) for k, v in c.factors.items()},
-        "wait_ms": round(c.wait_ms, 3),
-        "prefill_ms": round(c.run_ms, 3),
-        "step_ms": round(c.step_ms, 3),
-    }
 
 
 @dataclass(frozen=True, slots=True)
