@@ -470,7 +470,9 @@ class SchedulerService:
         self._views = fresh
         if self._links[0] != obs.links_version:
             self._links = (obs.links_version, link_model(obs.link_gbps))
-        fleet = Fleet.build(views, self.clock.now_ms() / 1000.0, links=self._links[1])
+        fleet = Fleet.build(
+            views, self.clock.now_ms() / 1000.0, links=self._links[1], previous=self._fleet
+        )
         for wid, t in self._totals.items():
             fleet.reserve(wid, t.kv_bytes, t.prefill_tokens, t.requests)
         self._fleet = fleet

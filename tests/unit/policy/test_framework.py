@@ -26,7 +26,7 @@ from hpd_scheduler.policy import (
 from hpd_scheduler.policy.framework import Candidate, RequestContext
 from hpd_scheduler.policy.plugins import DecodeMemoryFilter, MaxScorePicker
 
-from .builders import NOW, request, worker
+from .builders import MODEL, NOW, request, worker
 
 BASE = """
 profile: t
@@ -270,3 +270,23 @@ def test_colocated_profile_keeps_both_stages_on_one_worker() -> None:
     assert d.plan is not None
     assert d.plan.mode.value == "same_pool"
     assert d.plan.prefill_worker_id == d.plan.decode_worker_id == "b"
+
+
+def test_a_rebuild_reuses_capacity_only_for_unchanged_views() -> None:
+    """``Fleet.build(previous=...)``: a worker whose view object is unchanged keeps its
+    capacity; a changed view (here another GPU) gets its own; the indexes match a build from
+    scratch."""
+    same = worker("same")
+    old_view = worker("moved", gpu="H100-SXM")
+    first = Fleet.build([same, old_view], NOW)
+    new_view = worker("moved", gpu="L4")
+    second = Fleet.build([same, new_view], NOW + 1, previous=first)
+    scratch = Fleet.build([same, new_view], NOW + 1)
+    assert second.by_id["same"].cap is first.by_id["same"].cap
+    assert second.by_id["moved"].cap is not first.by_id["moved"].cap
+    assert second.by_id["moved"].cap == scratch.by_id["moved"].cap
+    assert second.by_id["moved"].cap != first.by_id["moved"].cap
+    idx, ref = second.index(MODEL, Role.DECODE), scratch.index(MODEL, Role.DECODE)
+    assert idx is not None and ref is not None
+    assert [w.worker_id for w in idx.workers] == [w.worker_id for w in ref.workers]
+    assert idx.max_hbm_gbps == ref.max_hbm_gbps

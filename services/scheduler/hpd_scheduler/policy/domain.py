@@ -43,7 +43,7 @@ class Stage(enum.StrEnum):
 
     def serves(self, role: Role) -> bool:
         """True when a worker of this stage can play ``role`` in a plan."""
-        return self is Stage.BOTH or self.value == role.value
+        return self is _BOTH or str.__eq__(self, role)  # str compare: enum .value is slow
 
 
 class Role(enum.StrEnum):
@@ -51,6 +51,9 @@ class Role(enum.StrEnum):
 
     PREFILL = "prefill"
     DECODE = "decode"
+
+
+_BOTH = Stage.BOTH
 
 
 class Health(enum.StrEnum):

@@ -280,33 +280,49 @@ class Fleet:
         kv_policy: KvPolicy = DEFAULT_KV_POLICY,
         staleness: StalenessPolicy | None = None,
         ref_prompt_tokens: int = 1024,
+        previous: Fleet | None = None,
     ) -> Fleet:
         """Index ``workers`` as of ``now_s``. Duplicate worker ids raise
-        :class:`InvalidInputError`. Cost: O(N) plus one sort per preselection key used."""
+        :class:`InvalidInputError`. Cost: O(N) plus one sort per preselection key used.
+
+        ``previous``: the snapshot this one replaces. A worker whose view is the very same
+        object there (unchanged since) keeps its resolved GPU and capacity, the costly part of
+        a worker's entry, when the reference prompt is the same; a service rebuilding every
+        second for report confidence then pays for the workers that changed, not the fleet."""
         fleet = cls()
         fleet.links = links or LinkModel()
         fleet.kv_policy = kv_policy
         fleet.staleness = staleness or StalenessPolicy()
         fleet.ref_tokens = ref_prompt_tokens
         fleet.built_at_s = now_s
+        reuse = previous.by_id if previous is not None else {}
+        if previous is not None and previous.ref_tokens != ref_prompt_tokens:
+            reuse = {}
+        roles = (Role.PREFILL, Role.DECODE)
         for view in workers:
             if view.worker_id in fleet.by_id:
                 raise InvalidInputError("worker_id", f"duplicate worker {view.worker_id!r}")
-            gpu = resolve_gpu(view)
+            prior = reuse.get(view.worker_id)
+            cap: Capacity | None = None
+            if prior is not None and prior.view is view:
+                cap = prior.cap
+            else:
+                gpu = resolve_gpu(view)
+                if gpu is not None:
+                    cap = capacity_for(view, gpu, ref_prompt_tokens)
             reason: str | None = None
-            if gpu is None:
+            if cap is None:
                 reason = "unknown_gpu_profile"
             elif view.health not in SCHEDULABLE_HEALTH:
                 reason = str(view.health.value)
             ws: WorkerState | None = None
-            if gpu is not None:
-                cap = capacity_for(view, gpu, ref_prompt_tokens)
+            if cap is not None:
                 ws = WorkerState(
                     view, cap, len(fleet.states), now_s, fleet.staleness, ref_prompt_tokens
                 )
                 fleet.states.append(ws)
                 fleet.by_id[view.worker_id] = ws
-            for role in (Role.PREFILL, Role.DECODE):
+            for role in roles:
                 if not view.stage.serves(role):
                     continue
                 index = fleet.indexes.get((view.model_id, role))
