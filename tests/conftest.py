@@ -30,9 +30,9 @@ configure_logging("warning", json_logs=False)
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Pin gRPC's asyncio runtime for the session (see ``pin_grpc_aio_runtime``): every test
-    runs on its own event loop and frees its servers and channels, and without the pin each
-    test would cross the runtime's teardown, which can deadlock."""
+    """Pin gRPC's asyncio runtime for the session (see ``pin_grpc_aio_runtime``): tests free
+    their servers and channels, and without the pin each would cross the runtime's teardown,
+    which can deadlock."""
     del config
 
     async def pin() -> None:

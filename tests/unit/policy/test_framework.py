@@ -290,3 +290,27 @@ def test_a_rebuild_reuses_capacity_only_for_unchanged_views() -> None:
     assert idx is not None and ref is not None
     assert [w.worker_id for w in idx.workers] == [w.worker_id for w in ref.workers]
     assert idx.max_hbm_gbps == ref.max_hbm_gbps
+
+
+@pytest.mark.parametrize("role", [Role.PREFILL, Role.DECODE])
+def test_candidate_estimates_equal_the_worker_state_formulas(role: Role) -> None:
+    """``Candidate`` writes the worker's formulas out for speed: they must stay the same
+    numbers as ``WorkerState.prefill_wait_ms / prefill_ms / step_ms``, reservations
+    included."""
+    fleet = Fleet.build(
+        [worker("w", Stage.BOTH, queue=3, batch=5, itl_p50_ms=30.0, prefill_tps=9000.0)], NOW
+    )
+    fleet.reserve("w", kv_bytes=1 << 20, prefill_tokens=700, requests=2)
+    ws = fleet.by_id["w"]
+    req = request(1500, 300)
+    c = Candidate(ws, role, req, fleet.ref_tokens)
+    assert c.wait_ms == pytest.approx(ws.prefill_wait_ms(), rel=1e-12)
+    assert c.run_ms == pytest.approx(ws.prefill_ms(1500), rel=1e-12)
+    assert c.kv_need == 1800 * ws.cap.kv_bytes_per_token
+    if role is Role.DECODE:
+        extra = ws.queue_depth() * fleet.ref_tokens + 1500 + 300 * 0.5
+        assert c.step_ms == pytest.approx(ws.step_ms(extra), rel=1e-12)
+    else:
+        assert c.step_ms == 0.0
+    short = Candidate(ws, role, request(1), fleet.ref_tokens)
+    assert short.run_ms == pytest.approx(ws.prefill_ms(1), rel=1e-12)  # the floor

@@ -66,7 +66,18 @@ class Planner:
     """Runs one :class:`~.config.Profile`. Holds only the round-robin cursors (state the
     round-robin baseline needs); everything else comes in per call."""
 
-    __slots__ = ("_cursor", "_dp", "_ds", "_inv_wd", "_inv_wp", "_pp", "_ps", "profile")
+    __slots__ = (
+        "_cursor",
+        "_dp",
+        "_drops",
+        "_ds",
+        "_inv_wd",
+        "_inv_wp",
+        "_pp",
+        "_ps",
+        "_weights",
+        "profile",
+    )
 
     def __init__(self, profile: Profile) -> None:
         self.profile = profile
@@ -78,6 +89,13 @@ class Planner:
         self._ds = [(s, s.name, w) for s, w in profile.decode.scorers if not s.pairwise]
         self._inv_wp = 1.0 / profile.prefill.total_weight
         self._inv_wd = 1.0 / profile.decode.total_weight
+        # per role: the filters' bound drop_reason methods (looked up once, not per worker)
+        self._drops = {
+            Role.PREFILL: tuple(f.drop_reason for f in profile.prefill.filters),
+            Role.DECODE: tuple(f.drop_reason for f in profile.decode.filters),
+        }
+        # every record shares these (records only read them)
+        self._weights = (profile.prefill.weights(), profile.decode.weights())
 
     # -- public -------------------------------------------------------------------------------
 
@@ -102,8 +120,8 @@ class Planner:
             profile=prof.name,
             tier=tier.name,
             memory_pressure=pressure,
-            prefill_weights=prof.prefill.weights(),
-            decode_weights=prof.decode.weights(),
+            prefill_weights=self._weights[0],
+            decode_weights=self._weights[1],
             side_weights=(wp, wd),
         )
         if didx is not None:
@@ -260,15 +278,14 @@ class Planner:
         record_drops: bool = True,
     ) -> list[Candidate]:
         prof = self.profile
-        side = prof.prefill if role is Role.PREFILL else prof.decode
-        filters = side.filters
+        filters = self._drops[role]
         k = prof.top_k_prefill if role is Role.PREFILL else prof.top_k_decode
 
         def drop(ws: WorkerState) -> str | None:
             if colocated and ws.view.stage is not Stage.BOTH:
                 return "not_colocated"
-            for f in filters:
-                reason = f.drop_reason(ws, role, ctx)
+            for drop_reason in filters:
+                reason = drop_reason(ws, role, ctx)
                 if reason is not None:
                     return reason
             return None
