@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -39,6 +40,29 @@ def pytest_configure(config: pytest.Config) -> None:
         pin_grpc_aio_runtime()
 
     asyncio.run(pin())
+
+
+_STUCK_AFTER_S = 90.0
+
+
+def _dump_tasks(loop: asyncio.AbstractEventLoop) -> None:
+    print(f"=== a test has run {_STUCK_AFTER_S:g} s: every task's stack ===", file=sys.stderr)
+    for task in asyncio.all_tasks(loop):
+        try:
+            task.print_stack(file=sys.stderr)
+        except Exception:  # a frame without a line number (the running task): name it only
+            print(f"{task!r}", file=sys.stderr)
+
+
+@pytest.fixture(autouse=True)
+async def _dump_tasks_when_stuck() -> AsyncIterator[None]:
+    """A test (or its fixtures' teardown) still running after 90 s prints every asyncio
+    task's stack, before the per-test timeout fails it: a hang then names the awaits it is
+    stuck in, which the timeout's thread dump cannot show."""
+    loop = asyncio.get_running_loop()
+    handle = loop.call_later(_STUCK_AFTER_S, _dump_tasks, loop)
+    yield
+    handle.cancel()
 
 
 @pytest.fixture(scope="session")

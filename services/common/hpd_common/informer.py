@@ -25,6 +25,7 @@ import grpc
 
 from hetero_pd.v1 import registry_pb2 as r
 from hetero_pd.v1 import registry_pb2_grpc as r_grpc
+from hpd_common.aio import cancel_and_wait
 from hpd_common.clock import Clock, SystemClock
 from hpd_common.logging import get_logger
 from hpd_registry.convert import load_from_pb, spec_from_pb
@@ -118,15 +119,18 @@ class FleetInformer:
 
     async def wait_synced(self, timeout_s: float) -> bool:
         try:
-            await asyncio.wait_for(self._synced_event.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await self._synced_event.wait()
         except TimeoutError:
             return False
         return True
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            # a cancel that lands while the WatchWorkers call is open can surface inside the
+            # call as an RpcError(CANCELLED), which the reconnect loop takes for a broken
+            # stream: cancel_and_wait cancels again until the task has really ended
+            await cancel_and_wait([self._task])
 
     def _emit(self, change: FleetChange) -> None:
         if self.on_change is not None:

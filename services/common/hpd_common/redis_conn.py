@@ -19,6 +19,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from hpd_common import metrics
+from hpd_common.aio import cancel_and_wait
 from hpd_common.logging import get_logger
 
 log = get_logger("redis")
@@ -57,7 +58,8 @@ class RedisHealthProbe:
 
     async def check_once(self) -> bool:
         try:
-            await asyncio.wait_for(self._client.ping(), timeout=max(self._interval_s, 0.5))
+            async with asyncio.timeout(max(self._interval_s, 0.5)):
+                await self._client.ping()
             up = True
         except (RedisError, OSError, TimeoutError):
             up = False
@@ -78,5 +80,4 @@ class RedisHealthProbe:
 
     async def stop(self) -> None:
         if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait([self._task], timeout_s=2)

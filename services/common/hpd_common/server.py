@@ -25,6 +25,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from hetero_pd.v1 import diagnostics_pb2, diagnostics_pb2_grpc
+from hpd_common.aio import cancel_and_wait
 from hpd_common.diagnostics import DiagnosticsApi
 from hpd_common.errors import InvalidArgument
 from hpd_common.logging import get_logger
@@ -247,17 +248,19 @@ class GrpcServer:
         """NOT_SERVING first (so balancers move away), then drain RPCs, then stop the component."""
         grace = self.settings.shutdown_grace_s if grace_s is None else grace_s
         if self._ready_task:
-            self._ready_task.cancel()
-            await asyncio.gather(self._ready_task, return_exceptions=True)
+            await cancel_and_wait([self._ready_task], timeout_s=2)
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.health.enter_graceful_shutdown(), timeout=2)
+            async with asyncio.timeout(2):
+                await self.health.enter_graceful_shutdown()
         if self._server is not None:
             try:  # bounded: a connection stuck mid-handshake must not hold shutdown forever
-                await asyncio.wait_for(self._server.stop(grace), timeout=grace + 5)
+                async with asyncio.timeout(grace + 5):
+                    await self._server.stop(grace)
             except TimeoutError:
                 log.warning("server_stop_timed_out", service=self.name)
         try:
-            await asyncio.wait_for(self.component.stop(), timeout=grace + 5)
+            async with asyncio.timeout(grace + 5):
+                await self.component.stop()
         except TimeoutError:
             log.warning("component_stop_timed_out", service=self.name)
         log.info("server_stopped", service=self.name)

@@ -412,4 +412,5 @@ class WorkerClient:
                 await asyncio.sleep(self.timing.backoff_s(attempt, self._rng))
                 attempt += 1
 
-        return await asyncio.wait_for(watch(), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            return await watch()

@@ -536,7 +536,8 @@ class Gateway:
                 if not sid:
                     await self._guard(send, src)
                 else:
-                    await asyncio.wait_for(asyncio.shield(send), self.config.rpc_timeout_s)
+                    async with asyncio.timeout(self.config.rpc_timeout_s):
+                        await asyncio.shield(send)
             except WorkerLost as exc:
                 cause = (
                     "decode_worker_lost"

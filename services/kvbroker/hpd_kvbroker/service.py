@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
+from hpd_common.aio import cancel_and_wait
 from hpd_common.clock import Clock
 from hpd_common.errors import (
     AlreadyExists,
@@ -231,9 +232,7 @@ class KvBrokerService:
     async def stop(self) -> None:
         if self.informer is not None:
             await self.informer.stop()
-        for task in [*self._tasks, *self._background]:
-            task.cancel()
-        await asyncio.gather(*self._tasks, *self._background, return_exceptions=True)
+        await cancel_and_wait([*self._tasks, *self._background])
         if self._tail_client is not None:
             await self._tail_client.aclose()
 
@@ -526,7 +525,8 @@ class KvBrokerService:
                 if s.state.terminal:
                     return
                 try:
-                    s = await asyncio.wait_for(queue.get(), poll_s)
+                    async with asyncio.timeout(poll_s):
+                        s = await queue.get()
                 except TimeoutError:
                     fresh = await self.store.get(key)
                     if fresh is None:
@@ -545,7 +545,8 @@ class KvBrokerService:
         self._watchers.setdefault(key, set()).add(queue)
         self._tail_wanted.set()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._tail_ready.wait(), wait_s)
+            async with asyncio.timeout(wait_s):
+                await self._tail_ready.wait()
 
     # -- background loops -------------------------------------------------------------------
 

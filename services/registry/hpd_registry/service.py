@@ -23,6 +23,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from hpd_common.aio import cancel_and_wait
 from hpd_common.clock import Clock
 from hpd_common.errors import (
     AlreadyExists,
@@ -219,16 +220,15 @@ class RegistryService:
         )
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        if self._tasks:  # bounded: a task stuck on a dead connection must not block shutdown
-            await asyncio.wait(self._tasks, timeout=3)
+        # bounded: a task stuck on a dead connection must not block shutdown
+        await cancel_and_wait(self._tasks, timeout_s=3)
         for q in list(self._streams.values()):
             with contextlib.suppress(asyncio.QueueFull):
                 q.put_nowait(_END)
         if self._tail_client is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._tail_client.aclose(), 2)
+                async with asyncio.timeout(2):
+                    await self._tail_client.aclose()
 
     def _interval_for(self, ttl_ms: int) -> int:
         """Workers heartbeat every third of their lease (the SUSPECT rule counts two)."""
@@ -392,8 +392,7 @@ class RegistryService:
                 else:
                     yield item
         finally:
-            reader.cancel()
-            await asyncio.gather(reader, return_exceptions=True)
+            await cancel_and_wait([reader], timeout_s=2)
             if self._streams.get(worker_id) is queue:
                 del self._streams[worker_id]
             log.info("heartbeat_stream_closed", worker_id=worker_id)
@@ -708,4 +707,5 @@ class RegistryService:
                 await asyncio.sleep(0.5)
             finally:
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(pubsub.aclose(), 1)
+                    async with asyncio.timeout(1):
+                        await pubsub.aclose()

@@ -423,16 +423,8 @@ class SchedulerService:
         await self.directives.close()
 
     async def _stop_informer(self) -> None:
-        """Stop the informer. A cancel that lands while its WatchWorkers call is open can
-        surface inside the call as an RpcError(CANCELLED), which the informer's reconnect
-        loop treats as a broken stream, so cancel until the task has really ended."""
-        task: asyncio.Task[None] | None = getattr(self.informer, "_task", None)
-        if task is None:
-            await self.informer.stop()
-            return
-        while not task.done():
-            task.cancel()
-            await asyncio.wait([task], timeout=0.2)
+        """Stop the informer (``FleetInformer.stop`` cancels until its task has ended)."""
+        await self.informer.stop()
 
     def view_age_s(self) -> float:
         return self.informer.age_s()
@@ -488,7 +480,8 @@ class SchedulerService:
         s = self.settings
         while not self._stopping:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), s.fleet_refresh_ms / 1000)
+                async with asyncio.timeout(s.fleet_refresh_ms / 1000):
+                    await self._changed.wait()
             self._changed.clear()
             if self.informer.synced:
                 try:

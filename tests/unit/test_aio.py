@@ -1,0 +1,67 @@
+"""Stopping background tasks: ``cancel_and_wait``, and no ``asyncio.wait_for`` in the
+services (on Python 3.11 it can swallow a cancellation, which hung shutdowns in CI)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from pathlib import Path
+
+from hpd_common.aio import cancel_and_wait
+
+SERVICES = Path(__file__).resolve().parents[2] / "services"
+
+
+async def test_a_task_that_absorbs_one_cancel_is_cancelled_again() -> None:
+    async def absorbs_once() -> None:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            pass  # what wait_for on 3.11 does when its inner awaitable finished meanwhile
+        await asyncio.sleep(30)
+
+    task = asyncio.create_task(absorbs_once())
+    await asyncio.sleep(0)
+    assert await cancel_and_wait([task], timeout_s=2)
+    assert task.cancelled()
+
+
+async def test_a_task_that_never_stops_is_given_up_on_after_the_bound() -> None:
+    release = asyncio.Event()
+
+    async def stubborn() -> None:
+        while not release.is_set():
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                continue
+
+    task = asyncio.create_task(stubborn())
+    await asyncio.sleep(0)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    assert not await cancel_and_wait([task], timeout_s=0.3)
+    assert 0.3 <= loop.time() - start < 2.0
+    assert not task.done()
+    release.set()
+    task.cancel()
+    await asyncio.wait([task], timeout=2)
+    assert task.done()
+
+
+async def test_finished_tasks_and_no_tasks_return_at_once() -> None:
+    done = asyncio.create_task(asyncio.sleep(0))
+    await done
+    assert await cancel_and_wait([done])
+    assert await cancel_and_wait([])
+
+
+def test_services_use_asyncio_timeout_not_wait_for() -> None:
+    offenders = [
+        f"{path.relative_to(SERVICES)}:{n}"
+        for path in sorted(SERVICES.rglob("*.py"))
+        if "hetero_pd" not in path.parts
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"\bwait_for\(", line)
+    ]
+    assert offenders == []
