@@ -272,6 +272,24 @@ async def test_unhealthy_preferred_pool_means_reroute(scheduler: SchedulerHandle
     assert "h200-decode" in pools and "cordoned" in pools["h200-decode"]
 
 
+async def test_a_damaged_explanation_still_serves_the_record(scheduler: SchedulerHandle) -> None:
+    """A stored explanation that no longer decodes (hand-edited, truncated) leaves the
+    record readable: the head and summary come back, the explanation says it is damaged."""
+    svc = scheduler.service
+    if svc is None:
+        pytest.skip("needs the in-process scheduler to reach its Redis")
+    ids = await hetero_fleet(scheduler)
+    await scheduler.settle(ids)
+    await scheduler.stub.Schedule(sched("dmg-1"), timeout=5)
+    await asyncio.sleep(0.3)  # the explanation is written just after the plan
+    key = svc.store.keys.record("dmg-1")
+    assert await svc.store.client.hget(key, "x")
+    await svc.store.client.hset(key, "x", '{"v":2,"s":["default"],"n":""}')
+    rec = (await scheduler.stub.GetRouteRecord(s.GetRouteRecordRequest(request_id="dmg-1"))).record
+    assert rec.summary["route_decision"] == "primary"
+    assert MessageToDict(rec.explanation) == {"error": "explanation unreadable"}
+
+
 @pytest.mark.parametrize(
     ("model", "cordon"),
     [

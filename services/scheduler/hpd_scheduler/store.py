@@ -342,7 +342,11 @@ class SchedulerStore:
             return None
         explanation = _json(raw[1])
         if explanation is not None:
-            explanation = decode_explanation(explanation)
+            try:
+                explanation = decode_explanation(explanation)
+            except (KeyError, ValueError, TypeError, StopIteration):
+                # a damaged explanation must not make the record unreadable: serve the head
+                explanation = {"error": "explanation unreadable"}
         return StoredRecord(head, explanation, _json(raw[2]))
 
     async def index_page(
