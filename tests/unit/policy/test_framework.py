@@ -314,3 +314,18 @@ def test_candidate_estimates_equal_the_worker_state_formulas(role: Role) -> None
         assert c.step_ms == 0.0
     short = Candidate(ws, role, request(1), fleet.ref_tokens)
     assert short.run_ms == pytest.approx(ws.prefill_ms(1), rel=1e-12)  # the floor
+
+
+def test_joint_options_share_one_empty_factor_dict_that_stays_empty() -> None:
+    """Options of the joint pairing share one empty ``factors`` dict (their factors live on
+    their candidates); nothing may write into it."""
+    from hpd_scheduler.policy import framework
+    from hpd_scheduler.policy.synthetic import synthetic_fleet
+
+    rng = random.Random(3)
+    fleet = Fleet.build(synthetic_fleet(64, rng, NOW), NOW)
+    planner = Planner(builtin_profile("default"))
+    for i in range(50):
+        d = planner.plan(request(200 + 97 * i, 20 + 31 * i, rid=f"r{i}"), fleet, NOW, rng)
+        d.record.encode()
+    assert framework._NO_FACTORS == {}

@@ -67,6 +67,7 @@ class RequestContext:
 
 
 _DECODE = Role.DECODE
+_NO_FACTORS: dict[str, float] = {}
 
 
 class Candidate:
@@ -154,7 +155,9 @@ class Option:
         self.conversion_ms = conversion_ms
         self.ttft_ms = ttft_ms
         self.kv_reasons = kv_reasons
-        self.factors: dict[str, float] = {}
+        # joint options keep their factors on their candidates; only the independent pairing
+        # gives an option its own dict (by assignment): share one empty dict until then
+        self.factors: dict[str, float] = _NO_FACTORS
         self.score = 0.0
 
     @property

@@ -84,9 +84,10 @@ class Planner:
         self._cursor: dict[tuple[str, Role], int] = {}
         self._pp = [(s, w) for s, w in profile.prefill.scorers if s.pairwise]
         self._dp = [(s, w) for s, w in profile.decode.scorers if s.pairwise]
-        # the pair-independent scorers of each side, (scorer, name, weight), in profile order
-        self._ps = [(s, s.name, w) for s, w in profile.prefill.scorers if not s.pairwise]
-        self._ds = [(s, s.name, w) for s, w in profile.decode.scorers if not s.pairwise]
+        # the pair-independent scorers of each side, (bound score method, name, weight), in
+        # profile order
+        self._ps = [(s.score, s.name, w) for s, w in profile.prefill.scorers if not s.pairwise]
+        self._ds = [(s.score, s.name, w) for s, w in profile.decode.scorers if not s.pairwise]
         self._inv_wp = 1.0 / profile.prefill.total_weight
         self._inv_wd = 1.0 / profile.decode.total_weight
         # per role: the filters' bound drop_reason methods (looked up once, not per worker)
@@ -310,8 +311,8 @@ class Planner:
             c = Candidate(ws, role, request, ref)
             total = 0.0
             factors = c.factors
-            for scorer, name, weight in static:
-                v = scorer.score(c, ctx)
+            for score, name, weight in static:
+                v = score(c, ctx)
                 factors[name] = v
                 total += weight * v
             c.score = total
@@ -368,8 +369,8 @@ class Planner:
             face = Candidate(d.ws, Role.PREFILL, ctx.request, ctx.fleet.ref_tokens)
             total = 0.0
             factors = face.factors
-            for scorer, name, weight in self._ps:
-                v = scorer.score(face, ctx)
+            for score, name, weight in self._ps:
+                v = score(face, ctx)
                 factors[name] = v
                 total += weight * v
             face.score = total
@@ -409,11 +410,16 @@ class Planner:
         colocated: bool,
     ) -> list[Option]:
         fleet = ctx.fleet
+        handoff_terms = fleet.handoff_terms
         prompt = ctx.request.prompt_tokens
         pair_score = self._pair_score
         slo = self.profile.slo_objective
         # a worker in both top-k lists: its prefill candidate doubles as its local face
         faces = {id(p.ws): p for p in pcands}
+        # per prefill candidate, once: (candidate, its worker, prompt KV bytes, wait + prefill)
+        sources = [
+            (p, p.ws, prompt * p.ws.cap.kv_bytes_per_token, p.wait_ms + p.run_ms) for p in pcands
+        ]
         options: list[Option] = []
         for d in dcands:
             dws = d.ws
@@ -423,29 +429,20 @@ class Planner:
             # recomputes only when some pair's KV cannot reach it faster (seed rule)
             need_local = colocated or dws.view.stage is Stage.BOTH or not pcands
             if not colocated:
-                for p in pcands:
-                    pws = p.ws
+                for p, pws, kv, ahead in sources:
                     if pws is dws:
                         continue
-                    terms = fleet.handoff_terms(pws, dws)
+                    terms = handoff_terms(pws, dws)
                     if terms is None:
                         need_local = True
                         continue
-                    kv = prompt * pws.cap.kv_bytes_per_token
                     conv = kv * terms[2]
                     xfer = kv * terms[0] + terms[1] + conv
                     if xfer > recompute_ms:
                         need_local = True
                         continue
                     o = Option(
-                        p,
-                        d,
-                        Mode.TRANSFER,
-                        xfer,
-                        recompute_ms,
-                        conv,
-                        p.wait_ms + p.run_ms + xfer,
-                        terms[3],
+                        p, d, Mode.TRANSFER, xfer, recompute_ms, conv, ahead + xfer, terms[3]
                     )
                     pair_score(o, xfer, ctx, wp, wd)
                     options.append(o)
