@@ -329,3 +329,42 @@ def test_joint_options_share_one_empty_factor_dict_that_stays_empty() -> None:
         d = planner.plan(request(200 + 97 * i, 20 + 31 * i, rid=f"r{i}"), fleet, NOW, rng)
         d.record.encode()
     assert framework._NO_FACTORS == {}
+
+
+def test_sorted_orders_follow_reservations_and_top_k_matches_a_full_sort() -> None:
+    """Reservations and releases move a worker within every preselection order already
+    built, so the orders hold live keys and ``top_k`` (which stops after the first k kept)
+    returns what sorting every eligible worker by its live key returns."""
+    from hpd_scheduler.policy.fleet import PRESELECT_KEYS, WorkerState
+    from hpd_scheduler.policy.synthetic import synthetic_fleet
+
+    rng = random.Random(11)
+    fleet = Fleet.build(synthetic_fleet(96, rng, NOW), NOW)
+    indexes = [i for i in fleet.indexes.values() if i.workers]
+    for index in indexes:
+        for key in PRESELECT_KEYS:
+            fleet.sorted_workers(index, key)
+    ids = [ws.worker_id for ws in fleet.states]
+    for step in range(400):
+        wid = rng.choice(ids)
+        if step % 3 == 2:
+            fleet.release(wid, kv_bytes=rng.randrange(1 << 30), prefill_tokens=500)
+        else:
+            fleet.reserve(wid, kv_bytes=rng.randrange(1 << 30), prefill_tokens=rng.randrange(4000))
+    odd = {ws.worker_id for ws in fleet.states if ws.idx % 2}
+
+    def drop(ws: WorkerState) -> str | None:
+        return "odd" if ws.worker_id in odd else None
+
+    for index in indexes:
+        for key, (fn_p, fn_d) in PRESELECT_KEYS.items():
+            fn = fn_p if index.role is Role.PREFILL else fn_d
+            rows = index.sorted_by[key]
+            assert [r[0] for r in rows] == [fn(r[2], fleet.ref_tokens) for r in rows]
+            assert rows == sorted(rows, key=lambda r: (r[0], r[1]))
+            want = sorted(
+                (w for w in index.workers if drop(w) is None),
+                key=lambda w: (fn(w, fleet.ref_tokens), w.idx),
+            )[:4]
+            kept, _, truncated = fleet.top_k(index, key, 4, drop, 1000)
+            assert kept == want and not truncated
