@@ -14,11 +14,11 @@ import asyncio
 from collections.abc import Iterable
 from typing import Any
 
-import structlog
+from hpd_common.logging import get_logger
 
 __all__ = ["cancel_and_wait"]
 
-log = structlog.get_logger("hpd.aio")
+log = get_logger("aio")
 
 _RECANCEL_S = 0.1
 
