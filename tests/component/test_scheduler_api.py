@@ -272,9 +272,40 @@ async def test_unhealthy_preferred_pool_means_reroute(scheduler: SchedulerHandle
     assert "h200-decode" in pools and "cordoned" in pools["h200-decode"]
 
 
-async def test_a_damaged_explanation_still_serves_the_record(scheduler: SchedulerHandle) -> None:
-    """A stored explanation that no longer decodes (hand-edited, truncated) leaves the
-    record readable: the head and summary come back, the explanation says it is damaged."""
+_UNREADABLE = {"error": "explanation unreadable"}
+
+
+@pytest.mark.parametrize(
+    ("stored", "served"),
+    [
+        pytest.param('{"v":2,"s":["default"],"n":""}', _UNREADABLE, id="fields-missing"),
+        pytest.param('{"v":2,"s":["p","t"', _UNREADABLE, id="truncated"),
+        pytest.param(b"\xff\xfe", _UNREADABLE, id="not-utf8"),
+        pytest.param(
+            '{"v":2,"n":"","s":["p","t",[],[],0,[],[],[],[],[],[],[]]}',
+            _UNREADABLE,
+            id="numbers-missing",
+        ),
+        pytest.param(
+            # decodes (six numbers, one candidate) but names a factor 1: not Struct-shaped
+            '{"v":2,"n":"AAAAAAAA4D8AAAAAAADgPwAAAAAAAOA/AAAAAAAA4D8AAAAAAADgPwAAAAAAAOA/",'
+            '"s":["p","t",[],[],0,[[1]],[["w","x",0]],[],[],[],{},[]]}',
+            _UNREADABLE,
+            id="bad-factor-table",
+        ),
+        pytest.param(
+            '{"profile":"p","notes":["kept"]}',
+            {"profile": "p", "notes": ["kept"]},
+            id="plain-old-form",
+        ),
+    ],
+)
+async def test_a_damaged_explanation_still_serves_the_record(
+    scheduler: SchedulerHandle, stored: str | bytes, served: dict[str, Any]
+) -> None:
+    """A stored explanation that no longer decodes (hand-edited, truncated, not UTF-8, not
+    the shape a record has) leaves the record readable: the head and summary come back and
+    the explanation says it is damaged; an explanation in the plain form is served as is."""
     svc = scheduler.service
     if svc is None:
         pytest.skip("needs the in-process scheduler to reach its Redis")
@@ -284,10 +315,10 @@ async def test_a_damaged_explanation_still_serves_the_record(scheduler: Schedule
     await asyncio.sleep(0.3)  # the explanation is written just after the plan
     key = svc.store.keys.record("dmg-1")
     assert await svc.store.client.hget(key, "x")
-    await svc.store.client.hset(key, "x", '{"v":2,"s":["default"],"n":""}')
+    await svc.store.client.hset(key, "x", stored)
     rec = (await scheduler.stub.GetRouteRecord(s.GetRouteRecordRequest(request_id="dmg-1"))).record
     assert rec.summary["route_decision"] == "primary"
-    assert MessageToDict(rec.explanation) == {"error": "explanation unreadable"}
+    assert MessageToDict(rec.explanation) == served
 
 
 @pytest.mark.parametrize(

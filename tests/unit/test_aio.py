@@ -22,7 +22,7 @@ async def test_a_task_that_absorbs_one_cancel_is_cancelled_again() -> None:
 
     task = asyncio.create_task(absorbs_once())
     await asyncio.sleep(0)
-    assert await cancel_and_wait([task], timeout_s=2)
+    assert await cancel_and_wait([task], timeout_s=3)
     assert task.cancelled()
 
 
@@ -54,6 +54,38 @@ async def test_finished_tasks_and_no_tasks_return_at_once() -> None:
     await done
     assert await cancel_and_wait([done])
     assert await cancel_and_wait([])
+
+
+async def test_a_task_gets_time_for_its_own_cleanup() -> None:
+    """The first cancel is not repeated while the task is cleaning up (closing a channel, a
+    pub/sub connection): cleanup shorter than the grace period runs to its end."""
+    cleaned = asyncio.Event()
+
+    async def tidy() -> None:
+        try:
+            await asyncio.sleep(30)
+        finally:
+            await asyncio.sleep(0.3)
+            cleaned.set()
+
+    task = asyncio.create_task(tidy())
+    await asyncio.sleep(0)
+    assert await cancel_and_wait([task], timeout_s=3)
+    assert cleaned.is_set()
+
+
+async def test_an_exception_a_task_ends_with_is_retrieved() -> None:
+    async def fails_on_cancel() -> None:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            raise RuntimeError("cleanup failed") from None
+
+    task = asyncio.create_task(fails_on_cancel())
+    await asyncio.sleep(0)
+    assert await cancel_and_wait([task], timeout_s=2)
+    assert isinstance(task.exception(), RuntimeError)
+    assert task._log_traceback is False  # retrieved: no "never retrieved" report at GC
 
 
 def test_services_use_asyncio_timeout_not_wait_for() -> None:

@@ -17,7 +17,7 @@ from hetero_pd.v1 import scheduler_pb2 as s
 from hpd_common.errors import InvalidArgument
 from hpd_scheduler.policy import Request
 from hpd_scheduler.service import PolicyState, Recommendations, RecordQuery
-from hpd_scheduler.store import StoredRecord
+from hpd_scheduler.store import UNREADABLE_EXPLANATION, StoredRecord
 
 ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 MAX_TOKENS = 10_000_000
@@ -221,7 +221,11 @@ def record_to_pb(rec: StoredRecord) -> s.RouteRecord:
         out.plan.CopyFrom(plan_to_pb(h))
     if rec.explanation is not None:
         st = struct_pb2.Struct()
-        st.update(rec.explanation)
+        try:
+            st.update(rec.explanation)
+        except (ValueError, TypeError, AttributeError):  # decoded, but not Struct-shaped
+            st = struct_pb2.Struct()
+            st.update(UNREADABLE_EXPLANATION)
         out.explanation.CopyFrom(st)
     o = rec.outcome
     if o is not None:

@@ -33,6 +33,9 @@ from hpd_common.errors import Unavailable
 from hpd_scheduler.keys import SchedulerKeys
 from hpd_scheduler.policy.decision import decode_explanation
 
+UNREADABLE_EXPLANATION = {"error": "explanation unreadable"}
+"""What a record's explanation reads as when what is stored no longer decodes."""
+
 # KEYS: 1 totals, 2 reservations, 3 expiry. Releases one reservation by request id.
 _RELEASE_FN = """
 local function bump(field, by)
@@ -340,13 +343,12 @@ class SchedulerStore:
         head = _json(raw[0])
         if head is None:
             return None
-        explanation = _json(raw[1])
-        if explanation is not None:
-            try:
+        try:
+            explanation = _json(raw[1])
+            if explanation is not None:
                 explanation = decode_explanation(explanation)
-            except (KeyError, ValueError, TypeError, StopIteration):
-                # a damaged explanation must not make the record unreadable: serve the head
-                explanation = {"error": "explanation unreadable"}
+        except Exception:  # any damage: the record stays readable (its head is served)
+            explanation = dict(UNREADABLE_EXPLANATION)
         return StoredRecord(head, explanation, _json(raw[2]))
 
     async def index_page(

@@ -563,6 +563,28 @@ def test_stored_record_decodes_to_the_same_explanation() -> None:
     exact = max(record.options, key=lambda o: o.score)
     assert back["options"][0]["score"] == round(exact.score, 6)
     assert back["options"][0]["ttft_ms"] == round(exact.ttft_ms, 3)
+    # field by field against the planner's own objects (not only against to_dict, which
+    # goes through the same compact form)
+    assert back["memory_pressure"] == round(record.memory_pressure, 6)
+    assert back["weights"]["sides"] == list(record.side_weights)
+    for side, cands in (
+        ("prefill", record.prefill_candidates),
+        ("decode", record.decode_candidates),
+    ):
+        assert len(back["candidates"][side]) == len(cands) > 0
+        for got, c in zip(back["candidates"][side], cands, strict=True):
+            assert got["worker_id"] == c.ws.worker_id and got["pool_id"] == c.ws.pool_id
+            assert got["wait_ms"] == round(c.wait_ms, 3)
+            assert got["prefill_ms"] == round(c.run_ms, 3)
+            assert got["step_ms"] == round(c.step_ms, 3)
+            assert got["score"] == round(c.score, 6)
+            assert got["factors"] == {k: round(v, 6) for k, v in c.factors.items()}
+    top = back["options"][0]
+    assert top["prefill_worker_id"] == exact.p.ws.worker_id
+    assert top["decode_worker_id"] == exact.d.ws.worker_id
+    assert top["mode"] == exact.mode.value
+    want_xfer = round(exact.transfer_ms, 3) if exact.mode.value == "transfer" else None
+    assert top["transfer_ms"] == want_xfer
     plain = {"profile": "default", "options": []}
     assert decode_explanation(plain) is plain
 

@@ -211,7 +211,8 @@ PRESELECT_KEYS: Mapping[str, tuple[KeyFn, KeyFn]] = {
 * ``blind``: queue depth + 4 x KV used share, the same for every GPU (capacity-blind, what a
   plain least-loaded router does).
 
-Both only grow with reservations, which keeps the threshold scan exact.
+Both depend only on the worker's own figures and reservations, so ``Fleet.reserve`` and
+``Fleet.release`` can keep every sorted order exact by moving that one worker.
 """
 
 
@@ -458,6 +459,9 @@ class Fleet:
                 if new == old:
                     continue
                 at = bisect.bisect_left(rows, (old, ws.idx))
+                if at >= len(rows) or rows[at][2] is not ws:
+                    # only a non-finite key misleads the bisect: find the row the slow way
+                    at = next(i for i, row in enumerate(rows) if row[2] is ws)
                 del rows[at]
                 bisect.insort(rows, (new, ws.idx, ws))
                 placed[ws.idx] = new

@@ -33,7 +33,7 @@ Stages of :meth:`Planner.plan`:
    ``balance.adapt_batch_size``), fall back to a shared pool (SAME_POOL options first,
    decision REROUTE), shed (refuse the lowest sheddable tier); build the fallback chain.
 
-Work per request is O(k^2) scoring plus an O(k)-ish threshold scan: independent of fleet
+Work per request is O(k^2) scoring plus an O(k) walk of a sorted order: independent of fleet
 size up to the scan bound.
 """
 
