@@ -120,6 +120,13 @@ async def start_registry(redis_url: str, prefix: str, **overrides: Any) -> GrpcS
     return server
 
 
+async def stop_server(server: GrpcServer) -> None:
+    """Stop a server a test started (no grace) and close the Redis client it was built with."""
+    await server.stop(0)
+    if server.redis is not None:
+        await server.redis.aclose()
+
+
 @pytest.fixture
 async def registry(redis_server: EmbeddedRedis, key_prefix: str) -> AsyncIterator[RegistryHandle]:
     addr = external("registry")
@@ -133,6 +140,4 @@ async def registry(redis_server: EmbeddedRedis, key_prefix: str) -> AsyncIterato
     finally:
         await channel.close()
         if server is not None:
-            await server.stop(0)
-            if server.redis is not None:
-                await server.redis.aclose()
+            await stop_server(server)

@@ -31,7 +31,7 @@ from hpd_common import redis_conn
 from hpd_common.embedded_redis import EmbeddedRedis
 from hpd_common.server import GrpcServer
 from hpd_scheduler.service import SchedulerService
-from tests.conftest import RegistryHandle, external
+from tests.conftest import RegistryHandle, external, stop_server
 from tests.support.fleet import capability, load
 
 # The explainable-choice tests need a fleet of their own: a shared registry (the compose
@@ -104,12 +104,6 @@ async def start_scheduler(
     return server
 
 
-async def stop_scheduler(server: GrpcServer) -> None:
-    await server.stop(0)
-    if server.redis is not None:
-        await server.redis.aclose()
-
-
 @pytest.fixture
 async def scheduler(
     redis_server: EmbeddedRedis, registry: RegistryHandle
@@ -125,7 +119,7 @@ async def scheduler(
     finally:
         await channel.close()
         if server is not None:
-            await stop_scheduler(server)
+            await stop_server(server)
 
 
 async def register(

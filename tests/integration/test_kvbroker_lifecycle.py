@@ -16,7 +16,7 @@ from hetero_pd.v1 import kvbroker_pb2 as k
 from hetero_pd.v1 import registry_pb2_grpc as r_grpc
 from hpd_common.embedded_redis import EmbeddedRedis
 from hpd_kvbroker.api import SERVICE_NAME
-from tests.conftest import RegistryHandle, start_registry
+from tests.conftest import RegistryHandle, start_registry, stop_server
 from tests.unit.kvbroker.harness import (
     GIB,
     BrokerHandle,
@@ -182,9 +182,7 @@ async def test_redis_down_unavailable_not_serving_then_recovery(tmp_path: Path) 
     finally:
         await broker.close()
         await reg_channel.close()
-        await registry.stop(0)
-        if registry.redis is not None:
-            await registry.redis.aclose()
+        await stop_server(registry)
         redis.stop()
 
 

@@ -32,9 +32,8 @@ from tests.component.test_scheduler_api import (
     sched,
     start_scheduler,
     status_of,
-    stop_scheduler,
 )
-from tests.conftest import RegistryHandle
+from tests.conftest import RegistryHandle, stop_server
 from tests.support.fleet import load
 
 pytestmark = pytest.mark.integration
@@ -185,7 +184,7 @@ async def short_ttl_scheduler(
         )  # fmt: skip
     finally:
         await channel.close()
-        await stop_scheduler(server)
+        await stop_server(server)
 
 
 async def test_capacity_returns_when_reservations_lapse(

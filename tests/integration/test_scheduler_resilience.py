@@ -19,9 +19,8 @@ from tests.component.test_scheduler_api import (
     sched,
     start_scheduler,
     status_of,
-    stop_scheduler,
 )
-from tests.conftest import RegistryHandle, start_registry
+from tests.conftest import RegistryHandle, start_registry, stop_server
 from tests.support.fleet import load
 
 pytestmark = pytest.mark.integration
@@ -64,7 +63,7 @@ async def test_burst_of_identical_requests_lands_on_every_decode_worker(
         assert max(per_worker.values()) - min(per_worker.values()) <= 4
     finally:
         await channel.close()
-        await stop_scheduler(server)
+        await stop_server(server)
 
 
 async def test_registry_away_then_stale_then_recovers(redis_server: EmbeddedRedis) -> None:
@@ -86,9 +85,7 @@ async def test_registry_away_then_stale_then_recovers(redis_server: EmbeddedRedi
         wid = f"{prefix}-both"
         await register(handle, wid, load(), stages=(c.STAGE_PREFILL, c.STAGE_DECODE))
         await h.settle([wid])
-        await reg.stop(0)
-        if reg.redis is not None:
-            await reg.redis.aclose()
+        await stop_server(reg)
         # within the bound: still deciding from the last view
         code, _ = await status_of(h.stub.Schedule(sched("away-1"), timeout=5))
         assert code == grpc.StatusCode.OK
@@ -109,10 +106,8 @@ async def test_registry_away_then_stale_then_recovers(redis_server: EmbeddedRedi
     finally:
         await channel.close()
         await rch.close()
-        await stop_scheduler(server)
-        await reg.stop(0)
-        if reg.redis is not None:
-            await reg.redis.aclose()
+        await stop_server(server)
+        await stop_server(reg)
 
 
 async def test_redis_away_means_unavailable_not_an_unreserved_plan(
@@ -152,5 +147,5 @@ async def test_redis_away_means_unavailable_not_an_unreserved_plan(
         assert code == grpc.StatusCode.OK
     finally:
         await channel.close()
-        await stop_scheduler(server)
+        await stop_server(server)
         red.stop()

@@ -20,6 +20,7 @@ from hpd_common.server import GrpcServer
 from hpd_kvbroker.__main__ import build_server
 from hpd_kvbroker.api import KvBrokerComponent
 from hpd_kvbroker.service import KvBrokerService, KvBrokerSettings
+from tests.conftest import stop_server
 from tests.support.fleet import capability
 
 GIB = 1 << 30
@@ -38,9 +39,7 @@ class BrokerHandle:
 
     async def close(self) -> None:
         await self.channel.close()
-        await self.server.stop(0)
-        if self.server.redis is not None:
-            await self.server.redis.aclose()
+        await stop_server(self.server)
 
 
 def broker_settings(redis_url: str, prefix: str, **overrides: Any) -> KvBrokerSettings:

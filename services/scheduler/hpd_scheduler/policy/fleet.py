@@ -417,7 +417,7 @@ class Fleet:
         """Count a reservation against a worker until :meth:`release` (O(1)). Unknown ids are
         ignored (the worker may have left since the plan was made)."""
         ws = self.by_id.get(worker_id)
-        if ws is None:
+        if ws is None or not (kv_bytes or prefill_tokens or requests):
             return
         ws.live_kv += kv_bytes
         ws.live_tokens += prefill_tokens
@@ -431,7 +431,7 @@ class Fleet:
     ) -> None:
         """Undo :meth:`reserve` (floors at zero)."""
         ws = self.by_id.get(worker_id)
-        if ws is None:
+        if ws is None or not (kv_bytes or prefill_tokens or requests):
             return
         freed = min(ws.live_kv, kv_bytes)
         model = ws.view.model_id
