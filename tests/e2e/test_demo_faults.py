@@ -36,18 +36,23 @@ def cluster_file(tmp_path: Path, pools: str) -> Path:
     return path
 
 
+LEASE_TTL_MS = 1_000
+
+
 async def test_killed_decode_worker_fails_its_sessions_and_requests_fall_back(
     redis_server: EmbeddedRedis, key_prefix: str
 ) -> None:
     res = await replay(
-        redis_server, key_prefix, rate_scale=3.0, duration_s=24.0,
-        faults=(Fault("kill_worker", "auto", 0.0, at_s=1.5),),
+        redis_server, key_prefix, rate_scale=3.0, duration_s=36.0,
+        faults=(Fault("kill_worker", "auto", 0.0, at_s=1.5),), lease_ttl_ms=LEASE_TTL_MS,
     )  # fmt: skip
     (killed,) = res.sessions
     lost = [r for r in res.records if r.fallback.startswith("decode_worker_lost")]
     assert lost, res.report["overall"]["fallbacks"]
     assert all(r.completed or r.status == "failed" for r in lost)
     by_id = {r.request_id: r for r in res.route}
+    by_rec = {r.request_id: r for r in res.records}
+    assert res.report["workers"][killed]["killed_at_unix_ms"] > 0
     for r in lost:
         rr = by_id[r.request_id]
         assert rr.plan.decode_worker_id == killed  # planned onto the dead worker...
@@ -61,9 +66,17 @@ async def test_killed_decode_worker_fails_its_sessions_and_requests_fall_back(
     failed = [x for x in sessions if x.state == kb.SESSION_STATE_FAILED]
     assert all(killed in x.reason for x in failed)
     assert res.report["killed_worker_sessions"][killed]
-    # once the lease lapsed the scheduler stopped planning onto it
-    late = [r for r in res.route if r.request_id > max(x.request_id for x in lost)]
-    assert late and all(killed != r.plan.decode_worker_id for r in late[len(late) // 2 :])
+    # once the lease lapsed and the registry's sweep (every 1 s) expired it, the scheduler
+    # stopped planning onto it (ordered by when each plan was made, not by request id: a
+    # short request that arrived later may have finished on the worker before the crash)
+    lapsed_ms = res.report["workers"][killed]["killed_at_unix_ms"] + LEASE_TTL_MS + 1_500
+    late = [r for r in res.route if r.created_at_unix_ms > lapsed_ms]
+    onto_dead = [
+        (r.request_id, r.created_at_unix_ms - lapsed_ms, by_rec[r.request_id].fallback)
+        for r in late
+        if r.plan.decode_worker_id == killed
+    ]
+    assert late and not onto_dead, onto_dead
 
 
 CUT_AT_S = 2.0

@@ -358,6 +358,7 @@ async def run_demo(
                         "pool": w.view.pool_id,
                         "gpu": w.view.gpu_profile,
                         "killed": w.killed,
+                        "killed_at_unix_ms": w.killed_at_unix_ms,
                         "registrations": w.client.registrations,
                         "directives": len(w.client.directives),
                     }

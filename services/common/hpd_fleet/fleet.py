@@ -121,6 +121,8 @@ class EmulatedWorker:
     engine: EmulatedEngine
     client: WorkerClient
     killed: bool = False
+    killed_at_unix_ms: int = 0
+    """When the worker was killed (0 while it lives)."""
 
     @property
     def worker_id(self) -> str:
@@ -156,6 +158,7 @@ class Fleet:
     ) -> None:
         self.cluster = cluster
         self.time = time
+        self.clock = clock
         self.workers: dict[str, EmulatedWorker] = {}
         self._slow: dict[tuple[str, str], float] = {}
         for n, view in enumerate(cluster.worker_views()):
@@ -229,6 +232,7 @@ class Fleet:
         """Crash one worker: its engine fails all its work, its heartbeats stop."""
         w = self.workers[worker_id]
         w.killed = True
+        w.killed_at_unix_ms = self.clock.now_ms()
         w.engine.kill()
         await w.client.kill()
         log.warning("fault_worker_killed", worker_id=worker_id)
