@@ -18,7 +18,7 @@ from hpd_common.embedded_redis import EmbeddedRedis
 from hpd_common.errors import InvalidArgument
 from hpd_kvbroker.service import KvBrokerSettings, policy_from
 from tests.conftest import RegistryHandle, external
-from tests.support.fleet import kv_format
+from tests.support.fleet import capability, kv_format
 from tests.unit.kvbroker.harness import (
     GIB,
     BrokerHandle,
@@ -319,6 +319,27 @@ async def test_open_is_idempotent_per_request_id(env: Env) -> None:
     assert again.session == first.session
     other = env.stub.OpenSession(open_request("req-3", who=SCHED, expected=GIB + 1), timeout=5)
     assert await code_of(other) == grpc.StatusCode.ALREADY_EXISTS
+
+
+async def test_a_worker_that_changes_its_kv_format_gets_a_new_verdict(env: Env) -> None:
+    """The broker remembers a pair's verdict only while both workers' records stay the same."""
+    refused = env.stub.OpenSession(open_request("req-fmt-1", dst="d2", who=SCHED), timeout=5)
+    assert await code_of(refused) == grpc.StatusCode.FAILED_PRECONDITION
+    informer = env.broker.service.informer
+    assert informer is not None
+    before = informer.workers["d2"]
+    cap = capability("d2", pool_id="l40s-decode", stages=(c.STAGE_DECODE,), gpu="L40S", dtype=BF16)
+    await env.registry.stub.RegisterWorker(
+        r.RegisterWorkerRequest(capability=cap, credential=env.creds["d2"], lease_ttl_ms=30_000),
+        timeout=5,
+    )
+    for _ in range(100):
+        if informer.workers["d2"] is not before:
+            break
+        await asyncio.sleep(0.05)
+    opened = await env.stub.OpenSession(open_request("req-fmt-2", dst="d2", who=SCHED), timeout=5)
+    assert opened.created
+    assert opened.session.negotiation.verdict == V.COMPATIBILITY_VERDICT_COMPATIBLE
 
 
 async def test_an_incompatible_pair_gets_no_session(env: Env) -> None:

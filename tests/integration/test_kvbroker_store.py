@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hpd_common import redis_conn
 from hpd_common.clock import FakeClock
 from hpd_common.embedded_redis import EmbeddedRedis
-from hpd_common.kvformat import Negotiation, Verdict
+from hpd_common.kvformat import ConversionStep, Negotiation, Verdict
 from hpd_kvbroker.domain import (
     BROKER,
     SCHEDULER,
@@ -161,6 +161,25 @@ async def test_a_wrong_credential_or_an_expired_lease_is_denied(
     await forge_workers(redis_client, key_prefix, exp_ms=T0)
     assert await step(store, s, Op.PROGRESS, "p1", T0 + 1, 10) == "denied"
     assert await store.get(s.session_id) == s
+
+
+@pytest.mark.parametrize("actor", ["", "p1", "d1"])
+async def test_the_session_open_returns_is_the_one_it_stored(
+    store: SessionStore, redis_client: aioredis.Redis, actor: str
+) -> None:
+    """Open does not send the new session back: the store builds it from its arguments."""
+    step_ = ConversionStep("dtype_cast", "fp8 -> bf16", 1.5)
+    nego = Negotiation(Verdict.CONVERTIBLE, ("dtype",), (step_,), ("KV dtype differs",))
+    args = OpenArgs(f"s-open-{actor}", f"r-open-{actor}", "p1", "d1", GIB + 7, 9_000, 4_000,
+                    negotiation_json(nego))  # fmt: skip
+    cred = credential_hash(CRED[actor]) if actor else ""
+    res = await store.open(args, actor, cred, T0 + 3)
+    assert res.status == "created" and res.session is not None
+    assert res.session == await store.get(args.session_id)
+    assert res.session.updated_by == (actor or "scheduler")
+    assert res.session.negotiation == nego
+    (_, fields), *_ = await redis_client.xrevrange(store.keys.feed, count=1)
+    assert decode_session(fields) == res.session  # the feed carries the same session
 
 
 async def test_open_is_idempotent_per_request_id(store: SessionStore) -> None:

@@ -157,6 +157,12 @@ class Negotiated:
     negotiation: Negotiation
     source: KvFormat
     destination: KvFormat
+    stored: str = field(default="", compare=False)
+    """The negotiation as a session stores it (JSON)."""
+
+    def __post_init__(self) -> None:
+        if not self.stored:
+            object.__setattr__(self, "stored", negotiation_json(self.negotiation))
 
 
 def _random_ids(rng: random.Random) -> Callable[[int], str]:
@@ -208,6 +214,7 @@ class KvBrokerService:
         self._watchers: dict[str, set[asyncio.Queue[Session]]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[list[Session]]] = set()
+        self._pair_memo: dict[tuple[str, str], tuple[WorkerRecord, WorkerRecord, Negotiated]] = {}
         self._tail_client: aioredis.Redis | None = None
         self._tail_wanted = asyncio.Event()
         self._tail_ready = asyncio.Event()
@@ -260,11 +267,30 @@ class KvBrokerService:
 
     async def negotiate(self, source: str | KvFormat, destination: str | KvFormat) -> Negotiated:
         """The verdict for KV moving from `source` to `destination` (worker ids or formats)."""
-        src = await self._format("source", source)
-        dst = await self._format("destination", destination)
-        n = self.matrix.negotiate(src, dst)
-        metrics.observe_negotiation(n.verdict)
-        return Negotiated(n, src, dst)
+        if type(source) is str and type(destination) is str:
+            got = await self._negotiate_workers(source, destination)
+        else:
+            src = await self._format("source", source)
+            dst = await self._format("destination", destination)
+            got = Negotiated(self.matrix.negotiate(src, dst), src, dst)
+        metrics.observe_negotiation(got.negotiation.verdict)
+        return got
+
+    async def _negotiate_workers(self, source: str, destination: str) -> Negotiated:
+        """Two workers' verdict, remembered for as long as both records are the same objects
+        (the informer replaces a record when it changes), so a session opened between the
+        same two workers neither rehashes their formats nor re-encodes the verdict."""
+        src = await self._worker("source_worker_id", source)
+        dst = await self._worker("destination_worker_id", destination)
+        hit = self._pair_memo.get((source, destination))
+        if hit is not None and hit[0] is src and hit[1] is dst:
+            return hit[2]
+        f, g = src.spec.kv_format, dst.spec.kv_format
+        got = Negotiated(self.matrix.negotiate(f, g), f, g)
+        if len(self._pair_memo) >= 65_536:
+            self._pair_memo.clear()
+        self._pair_memo[(source, destination)] = (src, dst, got)
+        return got
 
     def compatibility(self, model_id: str) -> MatrixView:
         check_id("model_id", model_id)
@@ -361,7 +387,7 @@ class KvBrokerService:
             expected_bytes=req.expected_bytes,
             deadline_ms=deadline,
             lease_ttl_ms=self._clamp_lease(req.lease_ttl_ms, deadline),
-            negotiation_json=negotiation_json(n.negotiation),
+            negotiation_json=n.stored,
         )
         res = await self.store.open(args, actor, cred, now)
         if res.status == "conflict":

@@ -45,13 +45,10 @@ _PRELUDE = (
 local now = tonumber(ARGV[1])
 local SP, RP, OP, RW = '@SP@', '@RP@', '@OP@', '@RW@'
 local retain = @RETAIN@
-local T = """
-    + lua_transition_table()
-    + """
 local TERMINAL = """
     + lua_terminal_set()
     + """
-local function emit(key, sid)
+local function emit(key)
   local h = redis.call('HGETALL', key)
   local args = {'XADD', KEYS[5], 'MAXLEN', '~', @FEEDMAX@, '*'}
   for i = 1, #h, 2 do
@@ -63,32 +60,52 @@ local function emit(key, sid)
   redis.call(unpack(args))
   return h
 end
-local function due(key)
-  local f = redis.call('HMGET', key, 'dl', 'lexp')
-  return math.min(tonumber(f[1]), tonumber(f[2]))
+-- What the scripts read of a session, in one call (nil if there is none); values as stored.
+local function load(key)
+  local f = redis.call('HMGET', key, 'st', 'src', 'dst', 'rid', 'done', 'exb', 'ttl', 'dl',
+    'lexp')
+  if not f[1] then return nil end
+  return {st = f[1], src = f[2], dst = f[3], rid = f[4], done = f[5], exb = f[6], ttl = f[7],
+    dl = f[8], lexp = f[9]}
 end
-local function settle(key, sid, st)
-  local f = redis.call('HMGET', key, 'src', 'dst', 'rid')
-  if TERMINAL[st] then
+local function due(s)
+  return math.min(tonumber(s.dl), tonumber(s.lexp))
+end
+local function settle(key, sid, s)
+  if TERMINAL[s.st] then
     redis.call('ZREM', KEYS[2], sid)
-    redis.call('SREM', OP .. f[1], sid)
-    redis.call('SREM', OP .. f[2], sid)
+    redis.call('SREM', OP .. s.src, sid)
+    redis.call('SREM', OP .. s.dst, sid)
     redis.call('ZADD', KEYS[3], now + retain, sid)
     redis.call('PEXPIRE', key, retain + 60000)
-    redis.call('PEXPIRE', RP .. f[3], retain + 60000)
+    redis.call('PEXPIRE', RP .. s.rid, retain + 60000)
   else
-    redis.call('ZADD', KEYS[2], due(key), sid)
+    redis.call('ZADD', KEYS[2], due(s), sid)
   end
 end
-local function change(key, sid, st, by, why)
+-- Moves the loaded session `s` to state `st`; `extra` holds further field/value pairs of
+-- the same change (bytes done, the renewed lease expiry).
+local function change(key, sid, s, st, by, why, extra)
   redis.call('HINCRBY', key, 'ver', 1)
-  redis.call('HSET', key, 'st', st, 'upd', now, 'by', by)
-  if why then redis.call('HSET', key, 'why', why) end
-  settle(key, sid, st)
-  return emit(key, sid)
+  local args = {'HSET', key, 'st', st, 'upd', now, 'by', by}
+  if why then
+    args[#args + 1] = 'why'
+    args[#args + 1] = why
+  end
+  if extra then
+    for i = 1, #extra, 2 do
+      args[#args + 1] = extra[i]
+      args[#args + 1] = extra[i + 1]
+      s[extra[i]] = extra[i + 1]
+    end
+  end
+  redis.call(unpack(args))
+  s.st = st
+  settle(key, sid, s)
+  return emit(key)
 end
-local function expiry_reason(key)
-  if tonumber(redis.call('HGET', key, 'dl')) < now then return 'deadline_exceeded' end
+local function expiry_reason(s)
+  if tonumber(s.dl) < now then return 'deadline_exceeded' end
   return 'session_lease_expired'
 end
 local function live(wid)
@@ -136,8 +153,9 @@ redis.call('ZADD', KEYS[1], 0, sid)
 redis.call('SADD', OP .. src, sid)
 redis.call('SADD', OP .. dst, sid)
 redis.call('SADD', KEYS[4], src, dst)
-settle(key, sid, 'NEGOTIATED')
-return {'created', emit(key, sid)}
+redis.call('ZADD', KEYS[2], math.min(tonumber(ARGV[9]), now + ttl), sid)
+emit(key)
+return {'created'}
 """
 )
 
@@ -145,39 +163,40 @@ return {'created', emit(key, sid)}
 # 7 reason.
 _TRANSITION = (
     _PRELUDE
+    + "local T = "
+    + lua_transition_table()
     + """
 local sid, op, actor = ARGV[2], ARGV[3], ARGV[4]
 local key = SP .. sid
-if redis.call('EXISTS', key) == 0 then return {'missing'} end
-local f = redis.call('HMGET', key, 'st', 'src', 'dst', 'done', 'exb', 'ttl')
-local a = authorized(actor, ARGV[5], f[2], f[3])
+local s = load(key)
+if not s then return {'missing'} end
+local a = authorized(actor, ARGV[5], s.src, s.dst)
 if a ~= 'ok' then return {a} end
-local st = f[1]
+local st = s.st
 local by = actor
 if by == '' then by = 'scheduler' end
-if not TERMINAL[st] and due(key) < now then
-  return {'expired_first', change(key, sid, 'EXPIRED', 'broker', expiry_reason(key))}
+if not TERMINAL[st] and due(s) < now then
+  return {'expired_first', change(key, sid, s, 'EXPIRED', 'broker', expiry_reason(s))}
 end
 local nxt = T[st] and T[st][op]
 if not nxt then return {'illegal', redis.call('HGETALL', key)} end
 if nxt == st and TERMINAL[st] then return {'unchanged', redis.call('HGETALL', key)} end
 if op == 'reserve' or op == 'progress' then
-  local done = tonumber(f[4])
+  local done = tonumber(s.done)
   if ARGV[6] ~= '' then
     local b = tonumber(ARGV[6])
     if b < done then return {'backwards', redis.call('HGETALL', key)} end
-    if b > tonumber(f[5]) then return {'overflow', redis.call('HGETALL', key)} end
+    if b > tonumber(s.exb) then return {'overflow', redis.call('HGETALL', key)} end
     done = b
   end
-  redis.call('HSET', key, 'done', done, 'lexp', now + tonumber(f[6]))
-  return {'applied', change(key, sid, nxt, by, nil)}
+  local extra = {'done', done, 'lexp', now + tonumber(s.ttl)}
+  return {'applied', change(key, sid, s, nxt, by, nil, extra)}
 elseif op == 'complete' then
-  redis.call('HSET', key, 'done', f[5])
-  return {'applied', change(key, sid, nxt, by, nil)}
+  return {'applied', change(key, sid, s, nxt, by, nil, {'done', s.exb})}
 end
 local why = ARGV[7]
-if op == 'expire' and why == '' then why = expiry_reason(key) end
-return {'applied', change(key, sid, nxt, by, why)}
+if op == 'expire' and why == '' then why = expiry_reason(s) end
+return {'applied', change(key, sid, s, nxt, by, why)}
 """
 )
 
@@ -191,10 +210,10 @@ local changed = {}
 local overdue = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', '(' .. now, 'LIMIT', 0, limit)
 for _, sid in ipairs(overdue) do
   local key = SP .. sid
-  local st = redis.call('HGET', key, 'st')
-  if st and not TERMINAL[st] then
-    if due(key) < now then
-      changed[#changed + 1] = change(key, sid, 'EXPIRED', 'broker', expiry_reason(key))
+  local s = load(key)
+  if s and not TERMINAL[s.st] then
+    if due(s) < now then
+      changed[#changed + 1] = change(key, sid, s, 'EXPIRED', 'broker', expiry_reason(s))
     end
   else
     redis.call('ZREM', KEYS[2], sid)
@@ -208,9 +227,9 @@ for _, wid in ipairs(redis.call('SMEMBERS', KEYS[4])) do
     if redis.call('EXISTS', RW .. wid) == 1 then why = 'worker_lease_expired: ' .. wid end
     for _, sid in ipairs(redis.call('SMEMBERS', OP .. wid)) do
       local key = SP .. sid
-      local st = redis.call('HGET', key, 'st')
-      if st and not TERMINAL[st] then
-        changed[#changed + 1] = change(key, sid, 'FAILED', 'broker', why)
+      local s = load(key)
+      if s and not TERMINAL[s.st] then
+        changed[#changed + 1] = change(key, sid, s, 'FAILED', 'broker', why)
       else
         redis.call('SREM', OP .. wid, sid)
       end
@@ -240,9 +259,9 @@ local wid = ARGV[2]
 local changed = {}
 for _, sid in ipairs(redis.call('SMEMBERS', OP .. wid)) do
   local key = SP .. sid
-  local st = redis.call('HGET', key, 'st')
-  if st and not TERMINAL[st] then
-    changed[#changed + 1] = change(key, sid, 'FAILED', 'broker', ARGV[3])
+  local s = load(key)
+  if s and not TERMINAL[s.st] then
+    changed[#changed + 1] = change(key, sid, s, 'FAILED', 'broker', ARGV[3])
   else
     redis.call('SREM', OP .. wid, sid)
   end
@@ -347,6 +366,27 @@ class OpenArgs:
     lease_ttl_ms: int
     negotiation_json: str
 
+    def created(self, by: str, now_ms: int) -> Session:
+        """The session the open script stores for these arguments at `now_ms`."""
+        return Session(
+            session_id=self.session_id,
+            request_id=self.request_id,
+            source_worker_id=self.source_worker_id,
+            destination_worker_id=self.destination_worker_id,
+            state=SessionState.NEGOTIATED,
+            expected_bytes=self.expected_bytes,
+            bytes_done=0,
+            created_ms=now_ms,
+            updated_ms=now_ms,
+            deadline_ms=now_ms + self.deadline_ms,
+            lease_expires_ms=now_ms + self.lease_ttl_ms,
+            lease_ttl_ms=self.lease_ttl_ms,
+            negotiation=_negotiation(self.negotiation_json),
+            reason="",
+            version=1,
+            updated_by=by,
+        )
+
     @property
     def fingerprint(self) -> str:
         """What a retry must repeat to be the same request (deadline and lease may differ)."""
@@ -433,6 +473,8 @@ class SessionStore:
             a.negotiation_json,
             a.fingerprint,
         )
+        if _s(raw[0]) == "created":  # the script stored exactly this: no need to send it back
+            return Result("created", a.created(actor or "scheduler", now_ms))
         return self._result(raw)
 
     async def transition(
