@@ -17,10 +17,10 @@ prefix (default `hpd`), which lets several control planes share one Redis.
 | `<p>:{reg}:dirs`            | pubsub | a worker id with a new directive (wakes its stream) |
 
 Fields of a worker hash: `spec` (capability JSON), `cred` (SHA-256 of the credential),
-`load` (load JSON), `lat` (load reported-at ms), `reg`, `hb`, `exp`, `ttl` (registered,
-last heartbeat, lease expiry, lease length; ms), `sus`, `unh`, `drn`, `cor` (suspect,
-unhealthy, draining, cordoned; "0"/"1"), `why` (unhealthy reason), `adm` (operator
-reason), `rev` (revision of the last change).
+`load` (the last load report, see `store.encode_load`), `lat` (load reported-at ms), `reg`,
+`hb`, `exp`, `ttl` (registered, last heartbeat, lease expiry, lease length; ms), `sus`,
+`unh`, `drn`, `cor` (suspect, unhealthy, draining, cordoned; "0"/"1"), `why` (unhealthy
+reason), `adm` (operator reason), `rev` (revision of the last change).
 
 The feed: entry id `<revision>-0`; fields `t` (put, load, del) and `id`, plus the
 worker's hash fields without `cred` (put), `load`, `lat`, `hb` (load), or `why` (del).

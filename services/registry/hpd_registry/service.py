@@ -296,7 +296,8 @@ class RegistryService:
             return hb
         now = self.clock.now_ms()
         validate_load(f"{path}load", hb.load, now)
-        return replace(hb, load=stamp_load(hb.load, now))
+        stamped = stamp_load(hb.load, now)
+        return hb if stamped is hb.load else replace(hb, load=stamped)
 
     async def _submit(self, item: HeartbeatItem) -> HeartbeatResult:
         fut: asyncio.Future[HeartbeatResult] = asyncio.get_running_loop().create_future()

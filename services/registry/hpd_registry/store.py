@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -94,8 +95,8 @@ return {'created', emit_put(key, id)}
 )
 
 # ARGV 5 n, then n x (id, credential hash or '' when the stream already proved it, ttl (0 =
-# the lease the worker registered with), load JSON or '', load reported-at, health '' | 'ok' |
-# 'bad', reason).
+# the lease the worker registered with), load ('' for none; see `encode_load`), load
+# reported-at, health '' | 'ok' | 'bad', reason).
 # Returns n x (status, lease expiry, pending directives, unhealthy, draining, cordoned, reason,
 # lease ttl).
 _HEARTBEATS = (
@@ -287,9 +288,41 @@ def _s(value: bytes | str | None) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+_LOAD_TAG = b"\x00\x01"
+"""Starts a load report stored in binary (version 1); no JSON text starts with NUL."""
+_LOAD_BIN = struct.Struct(
+    "<" + "".join("d" if t == "float" else "q" for t in LoadReport.__annotations__.values())
+)
+"""Every LoadReport field in declaration order: float as float64, int as int64."""
+_LOAD_FIELDS = tuple(LoadReport.__annotations__)
+
+
+def encode_load(load: LoadReport) -> bytes:
+    """A load report as stored: the tag, then every field packed little-endian.
+
+    Sorted JSON cost about 6 us to write and 8 us to read back here, and every heartbeat
+    pays both (the store, then the change feed watchers are fed from); this is a fraction
+    of that. A report that does not pack (a number out of int64 range, say: the service
+    validates before storing) is stored as JSON, which `decode_load` also reads.
+    """
+    try:
+        return _LOAD_TAG + _LOAD_BIN.pack(*(getattr(load, name) for name in _LOAD_FIELDS))
+    except struct.error:
+        return canonical_json(load.to_dict()).encode()
+
+
+def decode_load(raw: bytes | str) -> LoadReport:
+    """A stored load report: the binary form, or JSON (as earlier versions wrote it)."""
+    if isinstance(raw, bytes) and raw[:2] == _LOAD_TAG:
+        return LoadReport(*_LOAD_BIN.unpack(raw[2:]))
+    return LoadReport.from_dict(json.loads(raw))
+
+
 def decode_record(fields: Mapping[Any, Any]) -> WorkerRecord:
     """A worker record from its hash fields (as stored, or as carried by a put event)."""
-    f = {_s(k): _s(v) for k, v in fields.items()}
+    f = {_s(k): v for k, v in fields.items()}
+    raw_load = f.pop("load", None)
+    f = {k: _s(v) for k, v in f.items()}
     state = WorkerState(
         registered_at_ms=int(f.get("reg") or 0),
         last_heartbeat_ms=int(f.get("hb") or 0),
@@ -302,7 +335,7 @@ def decode_record(fields: Mapping[Any, Any]) -> WorkerRecord:
         cordoned=f.get("cor") == "1",
         admin_reason=f.get("adm", ""),
     )
-    load = LoadReport.from_dict(json.loads(f["load"])) if f.get("load") else None
+    load = decode_load(raw_load) if raw_load else None
     return WorkerRecord(
         spec=WorkerSpec.from_dict(json.loads(f["spec"])),
         state=state,
@@ -323,7 +356,7 @@ def decode_feed_entry(entry_id: bytes | str, fields: Mapping[bytes, bytes]) -> F
             rev,
             kind,
             worker_id,
-            load=LoadReport.from_dict(json.loads(_s(f.get("load")))),
+            load=decode_load(f.get("load") or b""),
             last_heartbeat_ms=int(_s(f.get("hb")) or 0),
         )
     return FeedEntry(rev, "del", worker_id, reason=_s(f.get("why")))
@@ -383,7 +416,7 @@ class RegistryStore:
         """Renews many leases and stores many load reports in one round trip."""
         args: list[Any] = [len(items)]
         for it in items:
-            load_json = canonical_json(it.load.to_dict()) if it.load is not None else ""
+            load_json = encode_load(it.load) if it.load is not None else b""
             lat = it.load.reported_at_ms if it.load is not None else 0
             args += [
                 it.worker_id,
