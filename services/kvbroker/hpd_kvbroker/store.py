@@ -145,16 +145,17 @@ local key = SP .. sid
 local by = ARGV[6]
 if by == '' then by = 'scheduler' end
 local ttl = tonumber(ARGV[10])
-redis.call('HSET', key, 'sid', sid, 'rid', rid, 'src', src, 'dst', dst, 'st', 'NEGOTIATED',
-  'exb', ARGV[8], 'done', 0, 'crt', now, 'upd', now, 'dl', ARGV[9], 'lexp', now + ttl,
-  'ttl', ttl, 'why', '', 'ver', 1, 'by', by, 'neg', ARGV[11], 'fp', ARGV[12])
+local h = {'sid', sid, 'rid', rid, 'src', src, 'dst', dst, 'st', 'NEGOTIATED', 'exb', ARGV[8],
+  'done', 0, 'crt', now, 'upd', now, 'dl', ARGV[9], 'lexp', now + ttl, 'ttl', ttl, 'why', '',
+  'ver', 1, 'by', by, 'neg', ARGV[11]}
+redis.call('HSET', key, 'fp', ARGV[12], unpack(h))
+redis.call('XADD', KEYS[5], 'MAXLEN', '~', @FEEDMAX@, '*', unpack(h))
 redis.call('SET', rkey, sid)
 redis.call('ZADD', KEYS[1], 0, sid)
 redis.call('SADD', OP .. src, sid)
 redis.call('SADD', OP .. dst, sid)
 redis.call('SADD', KEYS[4], src, dst)
 redis.call('ZADD', KEYS[2], math.min(tonumber(ARGV[9]), now + ttl), sid)
-emit(key)
 return {'created'}
 """
 )
