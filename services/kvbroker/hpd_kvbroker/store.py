@@ -61,7 +61,7 @@ local function emit(key)
   return h
 end
 -- What the scripts read of a session, in one call (nil if there is none); values as stored.
-local function load(key)
+local function read_session(key)
   local f = redis.call('HMGET', key, 'st', 'src', 'dst', 'rid', 'done', 'exb', 'ttl', 'dl',
     'lexp')
   if not f[1] then return nil end
@@ -169,7 +169,7 @@ _TRANSITION = (
     + """
 local sid, op, actor = ARGV[2], ARGV[3], ARGV[4]
 local key = SP .. sid
-local s = load(key)
+local s = read_session(key)
 if not s then return {'missing'} end
 local a = authorized(actor, ARGV[5], s.src, s.dst)
 if a ~= 'ok' then return {a} end
@@ -211,7 +211,7 @@ local changed = {}
 local overdue = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', '(' .. now, 'LIMIT', 0, limit)
 for _, sid in ipairs(overdue) do
   local key = SP .. sid
-  local s = load(key)
+  local s = read_session(key)
   if s and not TERMINAL[s.st] then
     if due(s) < now then
       changed[#changed + 1] = change(key, sid, s, 'EXPIRED', 'broker', expiry_reason(s))
@@ -228,7 +228,7 @@ for _, wid in ipairs(redis.call('SMEMBERS', KEYS[4])) do
     if redis.call('EXISTS', RW .. wid) == 1 then why = 'worker_lease_expired: ' .. wid end
     for _, sid in ipairs(redis.call('SMEMBERS', OP .. wid)) do
       local key = SP .. sid
-      local s = load(key)
+      local s = read_session(key)
       if s and not TERMINAL[s.st] then
         changed[#changed + 1] = change(key, sid, s, 'FAILED', 'broker', why)
       else
@@ -260,7 +260,7 @@ local wid = ARGV[2]
 local changed = {}
 for _, sid in ipairs(redis.call('SMEMBERS', OP .. wid)) do
   local key = SP .. sid
-  local s = load(key)
+  local s = read_session(key)
   if s and not TERMINAL[s.st] then
     changed[#changed + 1] = change(key, sid, s, 'FAILED', 'broker', ARGV[3])
   else
