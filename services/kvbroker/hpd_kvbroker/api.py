@@ -66,7 +66,9 @@ class KvBrokerApi(k_grpc.KvBrokerServiceServicer):
             ),
             cv.caller_from_pb(request.caller),
         )
-        return k.OpenSessionResponse(session=cv.session_to_pb(session), created=created)
+        resp = k.OpenSessionResponse(created=created)
+        cv.session_to_pb(session, resp.session)
+        return resp
 
     @rpc.unary
     async def ReportProgress(
@@ -80,14 +82,18 @@ class KvBrokerApi(k_grpc.KvBrokerServiceServicer):
             request.bytes_done,
             request.reason,
         )
-        return k.ReportProgressResponse(session=cv.session_to_pb(s))
+        resp = k.ReportProgressResponse()
+        cv.session_to_pb(s, resp.session)
+        return resp
 
     @rpc.unary
     async def CompleteSession(
         self, request: k.CompleteSessionRequest, context: Any
     ) -> k.CompleteSessionResponse:
         s = await self.svc.complete(request.session_id, cv.caller_from_pb(request.caller))
-        return k.CompleteSessionResponse(session=cv.session_to_pb(s))
+        resp = k.CompleteSessionResponse()
+        cv.session_to_pb(s, resp.session)
+        return resp
 
     @rpc.unary
     async def AbortSession(
@@ -96,12 +102,16 @@ class KvBrokerApi(k_grpc.KvBrokerServiceServicer):
         s = await self.svc.abort(
             request.session_id, cv.caller_from_pb(request.caller), request.reason
         )
-        return k.AbortSessionResponse(session=cv.session_to_pb(s))
+        resp = k.AbortSessionResponse()
+        cv.session_to_pb(s, resp.session)
+        return resp
 
     @rpc.unary
     async def GetSession(self, request: k.GetSessionRequest, context: Any) -> k.GetSessionResponse:
         s = await self.svc.get(request.session_id, request.request_id)
-        return k.GetSessionResponse(session=cv.session_to_pb(s))
+        resp = k.GetSessionResponse()
+        cv.session_to_pb(s, resp.session)
+        return resp
 
     @rpc.server_stream
     async def WatchSession(

@@ -42,8 +42,20 @@ def format_from_pb(m: c.KvFormat, path: str) -> KvFormat:
     return kv_format_from_pb(m, path)
 
 
+_BY_IDENTITY: dict[int, tuple[Negotiation, k.Negotiation]] = {}
+
+
 def negotiation_to_pb(n: Negotiation) -> k.Negotiation:
-    return _negotiation_pb(n)
+    """Looked up by the negotiation's identity first (a session's negotiation is the one
+    object its stored text decodes to), which skips hashing the whole verdict."""
+    hit = _BY_IDENTITY.get(id(n))
+    if hit is not None and hit[0] is n:
+        return hit[1]
+    out = _negotiation_pb(n)
+    if len(_BY_IDENTITY) >= 4096:
+        _BY_IDENTITY.clear()
+    _BY_IDENTITY[id(n)] = (n, out)  # holding n keeps its id from being reused
+    return out
 
 
 @functools.lru_cache(maxsize=4096)
@@ -75,25 +87,28 @@ def format_to_pb(kv: KvFormat) -> c.KvFormat:
     return kv_format_to_pb(kv)
 
 
-def session_to_pb(s: Session) -> k.KvSession:
-    return k.KvSession(
-        session_id=s.session_id,
-        request_id=s.request_id,
-        source_worker_id=s.source_worker_id,
-        destination_worker_id=s.destination_worker_id,
-        state=STATE_TO_PB[s.state],
-        negotiation=negotiation_to_pb(s.negotiation),
-        expected_bytes=s.expected_bytes,
-        bytes_done=s.bytes_done,
-        created_at_unix_ms=s.created_ms,
-        updated_at_unix_ms=s.updated_ms,
-        deadline_unix_ms=s.deadline_ms,
-        lease_expires_at_unix_ms=s.lease_expires_ms,
-        lease_ttl_ms=s.lease_ttl_ms,
-        reason=s.reason,
-        version=s.version,
-        updated_by=s.updated_by,
-    )
+def session_to_pb(s: Session, out: k.KvSession | None = None) -> k.KvSession:
+    """The session as a message, written into `out` (a response's field) when given, so
+    the response does not copy a finished message."""
+    if out is None:
+        out = k.KvSession()
+    out.session_id = s.session_id
+    out.request_id = s.request_id
+    out.source_worker_id = s.source_worker_id
+    out.destination_worker_id = s.destination_worker_id
+    out.state = STATE_TO_PB[s.state]
+    out.negotiation.CopyFrom(negotiation_to_pb(s.negotiation))
+    out.expected_bytes = s.expected_bytes
+    out.bytes_done = s.bytes_done
+    out.created_at_unix_ms = s.created_ms
+    out.updated_at_unix_ms = s.updated_ms
+    out.deadline_unix_ms = s.deadline_ms
+    out.lease_expires_at_unix_ms = s.lease_expires_ms
+    out.lease_ttl_ms = s.lease_ttl_ms
+    out.reason = s.reason
+    out.version = s.version
+    out.updated_by = s.updated_by
+    return out
 
 
 def caller_from_pb(m: k.SessionCaller) -> Caller:
