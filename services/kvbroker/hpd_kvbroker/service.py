@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import os
 import random
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -172,6 +173,21 @@ def _random_ids(rng: random.Random) -> Callable[[int], str]:
     return new_id
 
 
+def _urandom_ids() -> Callable[[int], str]:
+    """Session ids: the time, then 48 bits from the OS's CSPRNG, read 4 KiB at a time (one
+    system call per 682 ids rather than one per id)."""
+    buf = b""
+
+    def new_id(now_ms: int) -> str:
+        nonlocal buf
+        if len(buf) < 6:
+            buf = os.urandom(4092)
+        bits, buf = buf[:6], buf[6:]
+        return f"{now_ms:012x}{bits.hex()}"
+
+    return new_id
+
+
 _OP_VERB = {
     Op.RESERVE: "reserve",
     Op.PROGRESS: "report progress on",
@@ -205,7 +221,7 @@ class KvBrokerService:
         )
         self.registry = RegistryStore(client, RegistryKeys(settings.registry_key_prefix))
         self.matrix = CompatibilityMatrix(self.policy)
-        self._new_id = _random_ids(rng or random.SystemRandom())
+        self._new_id = _random_ids(rng) if rng is not None else _urandom_ids()
         self.informer: FleetInformer | None = None
         if settings.registry_target:
             self.informer = FleetInformer(

@@ -296,3 +296,13 @@ def test_random_sequences_keep_the_invariants(steps: list[tuple[Op, int, int]]) 
             assert nxt.version == s.version + 1
             assert (s.state, op) in TRANSITIONS or out.status is Status.EXPIRED_FIRST
         s = nxt
+
+
+def test_session_ids_are_time_then_48_random_bits_and_never_repeat() -> None:
+    from hpd_kvbroker.service import _urandom_ids
+
+    new_id = _urandom_ids()
+    now = 1_795_976_913_222
+    ids = [new_id(now) for _ in range(3_000)]  # several refills of the 4 KiB buffer
+    assert len(set(ids)) == len(ids)
+    assert all(re.fullmatch(f"{now:012x}[0-9a-f]{{12}}", i) for i in ids)
