@@ -230,7 +230,6 @@ class KvBrokerService:
         self._watchers: dict[str, set[asyncio.Queue[Session]]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[list[Session]]] = set()
-        self._cred_hashes: dict[str, str] = {}
         self._pair_memo: dict[tuple[str, str], tuple[WorkerRecord, WorkerRecord, Negotiated]] = {}
         self._tail_client: aioredis.Redis | None = None
         self._tail_wanted = asyncio.Event()
@@ -342,16 +341,6 @@ class KvBrokerService:
 
     # -- sessions ---------------------------------------------------------------------------
 
-    def _credential_hash(self, credential: str) -> str:
-        """SHA-256 of a credential, remembered: a worker presents the same one on every
-        call of a session (a bounded map; it starts over when full)."""
-        got = self._cred_hashes.get(credential)
-        if got is None:
-            if len(self._cred_hashes) >= 16_384:
-                self._cred_hashes.clear()
-            got = self._cred_hashes[credential] = credential_hash(credential)
-        return got
-
     def _authenticate(self, caller: Caller, op: Op | None) -> tuple[str, str]:
         """(actor, credential hash): actor '' is the scheduler. op None = opening."""
         scheduler_may = op is None or op in SCHEDULER_OPS
@@ -370,7 +359,7 @@ class KvBrokerService:
                 raise InvalidArgument(
                     "caller.credential", f"longer than {MAX_CREDENTIAL_LEN} characters"
                 )
-            return caller.worker_id, self._credential_hash(caller.credential)
+            return caller.worker_id, credential_hash(caller.credential)
         if scheduler_may and not self.settings.scheduler_token:
             return "", ""
         raise InvalidArgument(
