@@ -148,9 +148,10 @@ def load_report(i: int) -> c.LoadReport:
     )  # fmt: skip
 
 
-async def register_fleet(target: str, n: int) -> dict[str, str]:
-    """Registers the fleet with one load report each; returns the credentials."""
-    creds: dict[str, str] = {}
+async def register_fleet(target: str, n: int) -> dict[str, tuple[int, str]]:
+    """Registers the fleet with one load report each; returns each worker's (number,
+    credential)."""
+    creds: dict[str, tuple[int, str]] = {}
     async with grpc.aio.insecure_channel(target) as ch:
         stub = r_grpc.RegistryServiceStub(ch)
         sem = asyncio.Semaphore(32)
@@ -160,14 +161,14 @@ async def register_fleet(target: str, n: int) -> dict[str, str]:
                 reg = await stub.RegisterWorker(
                     r.RegisterWorkerRequest(capability=capability(i), lease_ttl_ms=300_000)
                 )
-                creds[reg.worker_id] = reg.credential
+                creds[reg.worker_id] = (i, reg.credential)
 
         await asyncio.gather(*(one(i) for i in range(n)))
     await report_loads(target, creds)
     return creds
 
 
-async def report_loads(target: str, creds: dict[str, str]) -> None:
+async def report_loads(target: str, creds: dict[str, tuple[int, str]]) -> None:
     """A fresh load report from every worker. The scheduler trusts a report fully for 2 s
     and not at all after 10 s, so the bench sends one before each timed `Schedule` phase
     (outside its timing) instead of heartbeating through it."""
@@ -181,7 +182,7 @@ async def report_loads(target: str, creds: dict[str, str]) -> None:
                     r.HeartbeatRequest(worker_id=wid, credential=cred, load=load_report(i))
                 )
 
-        await asyncio.gather(*(one(i, w, cr) for i, (w, cr) in enumerate(sorted(creds.items()))))
+        await asyncio.gather(*(one(i, w, cr) for w, (i, cr) in creds.items()))
 
 
 async def measure(

@@ -31,6 +31,7 @@ from hpd_common import redis_conn
 from hpd_common.embedded_redis import EmbeddedRedis
 from hpd_common.server import GrpcServer
 from hpd_scheduler.service import SchedulerService
+from hpd_scheduler.store import UNREADABLE_EXPLANATION
 from tests.conftest import RegistryHandle, external, stop_server
 from tests.support.fleet import capability, load
 
@@ -266,25 +267,22 @@ async def test_unhealthy_preferred_pool_means_reroute(scheduler: SchedulerHandle
     assert "h200-decode" in pools and "cordoned" in pools["h200-decode"]
 
 
-_UNREADABLE = {"error": "explanation unreadable"}
-
-
 @pytest.mark.parametrize(
     ("stored", "served"),
     [
-        pytest.param('{"v":2,"s":["default"],"n":""}', _UNREADABLE, id="fields-missing"),
-        pytest.param('{"v":2,"s":["p","t"', _UNREADABLE, id="truncated"),
-        pytest.param(b"\xff\xfe", _UNREADABLE, id="not-utf8"),
+        pytest.param('{"v":2,"s":["default"],"n":""}', UNREADABLE_EXPLANATION, id="fields-missing"),
+        pytest.param('{"v":2,"s":["p","t"', UNREADABLE_EXPLANATION, id="truncated"),
+        pytest.param(b"\xff\xfe", UNREADABLE_EXPLANATION, id="not-utf8"),
         pytest.param(
             '{"v":2,"n":"","s":["p","t",[],[],0,[],[],[],[],[],[],[]]}',
-            _UNREADABLE,
+            UNREADABLE_EXPLANATION,
             id="numbers-missing",
         ),
         pytest.param(
             # decodes (six numbers, one candidate) but names a factor 1: not Struct-shaped
             '{"v":2,"n":"AAAAAAAA4D8AAAAAAADgPwAAAAAAAOA/AAAAAAAA4D8AAAAAAADgPwAAAAAAAOA/",'
             '"s":["p","t",[],[],0,[[1]],[["w","x",0]],[],[],[],{},[]]}',
-            _UNREADABLE,
+            UNREADABLE_EXPLANATION,
             id="bad-factor-table",
         ),
         pytest.param(

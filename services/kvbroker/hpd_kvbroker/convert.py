@@ -42,20 +42,8 @@ def format_from_pb(m: c.KvFormat, path: str) -> KvFormat:
     return kv_format_from_pb(m, path)
 
 
-_BY_IDENTITY: dict[int, tuple[Negotiation, k.Negotiation]] = {}
-
-
 def negotiation_to_pb(n: Negotiation) -> k.Negotiation:
-    """Looked up by the negotiation's identity first (a session's negotiation is the one
-    object its stored text decodes to), which skips hashing the whole verdict."""
-    hit = _BY_IDENTITY.get(id(n))
-    if hit is not None and hit[0] is n:
-        return hit[1]
-    out = _negotiation_pb(n)
-    if len(_BY_IDENTITY) >= 4096:
-        _BY_IDENTITY.clear()
-    _BY_IDENTITY[id(n)] = (n, out)  # holding n keeps its id from being reused
-    return out
+    return _negotiation_pb(n)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -158,12 +158,6 @@ class Negotiated:
     negotiation: Negotiation
     source: KvFormat
     destination: KvFormat
-    stored: str = field(default="", compare=False)
-    """The negotiation as a session stores it (JSON)."""
-
-    def __post_init__(self) -> None:
-        if not self.stored:
-            object.__setattr__(self, "stored", negotiation_json(self.negotiation))
 
 
 def _random_ids(rng: random.Random) -> Callable[[int], str]:
@@ -295,7 +289,7 @@ class KvBrokerService:
     async def _negotiate_workers(self, source: str, destination: str) -> Negotiated:
         """Two workers' verdict, remembered for as long as both records are the same objects
         (the informer replaces a record when it changes), so a session opened between the
-        same two workers neither rehashes their formats nor re-encodes the verdict."""
+        same two workers does not rehash their formats."""
         src = await self._worker("source_worker_id", source)
         dst = await self._worker("destination_worker_id", destination)
         hit = self._pair_memo.get((source, destination))
@@ -403,7 +397,7 @@ class KvBrokerService:
             expected_bytes=req.expected_bytes,
             deadline_ms=deadline,
             lease_ttl_ms=self._clamp_lease(req.lease_ttl_ms, deadline),
-            negotiation_json=n.stored,
+            negotiation_json=negotiation_json(n.negotiation),
         )
         res = await self.store.open(args, actor, cred, now)
         if res.status == "conflict":
