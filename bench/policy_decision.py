@@ -23,6 +23,7 @@ import statistics
 import sys
 import time
 
+from hpd_common import native
 from hpd_scheduler.policy import Fleet, Planner, Request, builtin_profile
 from hpd_scheduler.policy.synthetic import synthetic_fleet
 
@@ -96,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     growth = results[4096]["p99_us"] / results[256]["p99_us"]
     out = {
         "profile": args.profile,
+        "compiled_modules": native.status().active,
         "decisions_per_size": n * rounds,
         **{f"p50_us_{s}": round(results[s]["p50_us"], 1) for s in SIZES},
         **{f"p99_us_{s}": round(results[s]["p99_us"], 1) for s in SIZES},

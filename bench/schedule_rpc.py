@@ -64,7 +64,7 @@ SHAPES = (
 
 
 async def serve(redis_url: str, prefix: str) -> None:
-    from hpd_common import redis_conn
+    from hpd_common import native, redis_conn
     from hpd_common.logging import configure_logging
     from hpd_common.server import run_until_signal
     from hpd_registry.__main__ import build_server as build_registry
@@ -93,7 +93,8 @@ async def serve(redis_url: str, prefix: str) -> None:
     )
 
     async def started() -> None:
-        print(json.dumps({"registry": reg.port, "scheduler": sch.port}), flush=True)
+        ports = {"registry": reg.port, "scheduler": sch.port}
+        print(json.dumps({**ports, "compiled_modules": native.status().active}), flush=True)
 
     try:
         await run_until_signal([sch], on_started=started)
@@ -248,7 +249,7 @@ async def bench_size(redis_url: str, n: int, total: int) -> dict[str, Any]:
                 await asyncio.sleep(0.2)
             await asyncio.sleep(1.0)  # one more rebuild after the last load reports
             payload = b"x" * 64
-            out: dict[str, Any] = {"workers": n}
+            out: dict[str, Any] = {"workers": n, "compiled_modules": ports["compiled_modules"]}
             for conc in CONCURRENCY:
                 run = f"c{conc}"
 
@@ -293,7 +294,8 @@ async def main_async(quick: bool) -> dict[str, Any]:
         / r256["echo_redis_c16"]["per_s"],
         "p50_vs_echo_redis_4096": r4096["schedule_c1"]["p50_us"] / r4096["echo_redis_c1"]["p50_us"],
     }
-    return {**summary, "requests_per_run": total, "sizes": results}
+    compiled = all(r["compiled_modules"] for r in results.values())
+    return {**summary, "compiled_modules": compiled, "requests_per_run": total, "sizes": results}
 
 
 def main() -> int:
@@ -323,6 +325,7 @@ def main() -> int:
         "  (target >= 0.8)"
     )
     print(f"p50 vs E+R at 4096:              {out['p50_vs_echo_redis_4096']:.2f}  (target <= 1.5)")
+    print(f"compiled policy core:            {out['compiled_modules']}  (hpd native status)")
     return 0
 
 

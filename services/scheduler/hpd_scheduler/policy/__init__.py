@@ -10,6 +10,11 @@ Typical use (the scheduler service and the simulator call exactly this)::
     record = decision.to_dict()                     # JSON-ready route record
 """
 
+from hpd_common import native as _native
+
+# the compiled modules of this package, when built and current (hpd_common.native)
+__path__ = _native.search_path(__name__, __path__)
+
 from .balance import (
     BatchChange,
     BatchRecommendation,

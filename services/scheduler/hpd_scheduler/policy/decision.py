@@ -14,7 +14,7 @@ import sys
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 from .domain import DecisionKind, Mode, ResourceNeed
 from .framework import Candidate, Option
@@ -39,10 +39,10 @@ class RejectClass:
     ``saturated``, ``throttled``, ``shed`` -> RESOURCE_EXHAUSTED (capable workers exist).
     """
 
-    NO_CAPABLE_WORKER = "no_capable_worker"
-    SATURATED = "saturated"
-    THROTTLED = "throttled"
-    SHED = "shed"
+    NO_CAPABLE_WORKER: Final = "no_capable_worker"
+    SATURATED: Final = "saturated"
+    THROTTLED: Final = "throttled"
+    SHED: Final = "shed"
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,7 +49,6 @@ _DECODE = frozenset({Role.DECODE})
 # -- filters --------------------------------------------------------------------------------
 
 
-@REGISTRY.register
 class ExecutionGateFilter(Filter):
     """Execution compatibility per request: the stage is served (``unsupported_stage``) and,
     when the request pins a model revision, the worker runs it (``model_revision_mismatch``).
@@ -77,7 +76,6 @@ class MemoryParams:
             raise InvalidInputError("headroom", f"must be >= 1, got {self.headroom}")
 
 
-@REGISTRY.register
 class DecodeMemoryFilter(Filter):
     """Seed decode gate: drop (``insufficient_memory``) when
     ``available KV - reservations < (prompt + output) x bytes/token x headroom``."""
@@ -94,7 +92,6 @@ class DecodeMemoryFilter(Filter):
         return None
 
 
-@REGISTRY.register
 class QueueCapacityFilter(Filter):
     """Drop (``queue_full``) when the worker declared a queue bound and its queue (with
     reservations) has reached it."""
@@ -125,7 +122,6 @@ class StalenessParams:
             raise InvalidInputError("max_age_s", f"must be > 0, got {self.max_age_s}")
 
 
-@REGISTRY.register
 class StalenessFilter(Filter):
     """Drop (``stale_load_report``) when ``now - reported_at > max_age_s``; below that bound
     staleness only lowers the score (``staleness-scorer``)."""
@@ -153,7 +149,6 @@ class LabelParams:
                 raise InvalidInputError("match", f"expected key=value, got {part!r}")
 
 
-@REGISTRY.register
 class LabelSelectorFilter(Filter):
     """Keep workers whose labels contain every ``key=value`` of ``match``
     (``label_mismatch`` otherwise)."""
@@ -188,7 +183,6 @@ class SeedComputeParams:
             raise InvalidInputError("max_gpus", f"must be >= 1, got {self.max_gpus}")
 
 
-@REGISTRY.register
 class SeedComputeScorer(Scorer):
     """Seed compute factor: GPU-name table x (0.85 if TP > 1) x sqrt(GPUs) / sqrt(max_gpus)."""
 
@@ -200,7 +194,6 @@ class SeedComputeScorer(Scorer):
         return seed_compute_score(v.gpu_profile, v.tp_size, v.gpu_count, self.params.max_gpus)
 
 
-@REGISTRY.register
 class CapacityComputeScorer(Scorer):
     """``prefill tokens/s of this worker (perf model x observed) / the fastest eligible
     prefill worker's``, capped at 1: the model-specific speed, not a GPU-name table."""
@@ -216,7 +209,6 @@ class CapacityComputeScorer(Scorer):
         return min(1.0, tps / best)
 
 
-@REGISTRY.register
 class SeedLoadScorer(Scorer):
     """Seed load factor ``1 - (0.6 gpu_util + 0.4 mem_util)``; 0.5 without a report."""
 
@@ -229,7 +221,6 @@ class SeedLoadScorer(Scorer):
         return seed_load_score(load.gpu_util, load.mem_util)
 
 
-@REGISTRY.register
 class WorkLoadScorer(Scorer):
     """Capacity-normalised load: the request's TTFT on this worker, ``wait + prefill`` in ms
     of the worker's own throughput, against the tier's TTFT target:
@@ -242,7 +233,6 @@ class WorkLoadScorer(Scorer):
         return budget / (budget + c.wait_ms + c.run_ms)
 
 
-@REGISTRY.register
 class SeedQueueScorer(Scorer):
     """Seed queue factor ``1 - min(queue / max_queue, 1)`` (reservations count as queued)."""
 
@@ -253,7 +243,6 @@ class SeedQueueScorer(Scorer):
         return seed_queue_score(c.ws.queue_depth(), load.max_queue_depth if load else 0)
 
 
-@REGISTRY.register
 class QueueWaitScorer(Scorer):
     """Queue wait in ms of this worker's own work against the tier's queue budget:
     ``budget / (budget + wait_ms)``."""
@@ -265,7 +254,6 @@ class QueueWaitScorer(Scorer):
         return budget / (budget + c.wait_ms)
 
 
-@REGISTRY.register
 class SeedNetworkScorer(Scorer):
     """Seed network factor ``max(0, 1 - transfer_ms / 100)``; 0.5 when the partner is not
     known yet (the seed's default)."""
@@ -290,7 +278,6 @@ class LinkParams:
             raise InvalidInputError("budget_fraction", "must be in (0, 1]")
 
 
-@REGISTRY.register
 class LinkTransferScorer(Scorer):
     """The hand-off over the pair's real link (bytes x 8 / Gb/s + latency + conversion)
     against a share of the tier's TTFT: ``B / (B + transfer_ms)``, ``B = ttft x fraction``;
@@ -307,7 +294,6 @@ class LinkTransferScorer(Scorer):
         return budget / (budget + transfer_ms) if transfer_ms > 0 else 1.0
 
 
-@REGISTRY.register
 class SeedModelScorer(Scorer):
     """Seed model factor: 1 when the model (and pinned revision) is loaded, 0.5 when only a
     different revision is (it could load it). The index only holds workers with the model."""
@@ -319,7 +305,6 @@ class SeedModelScorer(Scorer):
         return 1.0 if not rev or c.ws.view.model_revision == rev else 0.5
 
 
-@REGISTRY.register
 class PrefixCacheScorer(Scorer):
     """Model/prefix cache factor: 1 when the worker or its pool is named in the request's
     prefix hints, 0.5 when hints name others, 1 for everyone without hints."""
@@ -344,7 +329,6 @@ class SeedItlParams:
             raise InvalidInputError("target_ms", "must be > 0")
 
 
-@REGISTRY.register
 class SeedItlScorer(Scorer):
     """Seed ITL factor on the current ITL (reported p50, else the perf model's step) with
     one global target (50 ms), divided by 1.2 (``factors.itl_score``)."""
@@ -359,7 +343,6 @@ class SeedItlScorer(Scorer):
         return itl_score(itl, self.params.target_ms)
 
 
-@REGISTRY.register
 class TierItlScorer(Scorer):
     """ITL factor with the seed's shape but per tier and predictive: the worker's step time
     with this request (and its queue) admitted, from its own HBM bandwidth and KV, against the
@@ -372,7 +355,6 @@ class TierItlScorer(Scorer):
         return itl_score(c.step_ms, ctx.tier.tpot_ms)
 
 
-@REGISTRY.register
 class MemoryScorer(Scorer):
     """Seed memory factor on ``(available KV - reservations) / request KV``: 0 below 1.2,
     linear to 0.5 at 2, to 1 at 6 (``factors.memory_score``)."""
@@ -384,7 +366,6 @@ class MemoryScorer(Scorer):
         return memory_score(c.ws.available_kv(), c.kv_need)
 
 
-@REGISTRY.register
 class BatchScorer(Scorer):
     """Seed batch factor: ideal batch at 70 % of max, ``1 - |batch - ideal| / ideal``
     (reservations count into the batch)."""
@@ -397,7 +378,6 @@ class BatchScorer(Scorer):
         return batch_score(ws.batch + ws.live_reqs, ws.view.max_batch_size)
 
 
-@REGISTRY.register
 class BandwidthScorer(Scorer):
     """Memory bandwidth factor: the worker's total HBM GB/s over the best eligible decode
     worker's, scaled by ``1 - 0.5 gpu_util`` (bandwidth already in use is not on offer)."""
@@ -415,7 +395,6 @@ class BandwidthScorer(Scorer):
         return min(1.0, c.ws.cap.hbm_gbps_total / best) * (1.0 - 0.5 * util)
 
 
-@REGISTRY.register
 class StalenessScorer(Scorer):
     """Confidence in the worker's load report: 1 while fresh, falling linearly to 0 between
     the fleet's ``fresh_s`` and ``stale_s`` (``capacity.confidence``), evaluated at the
@@ -427,7 +406,6 @@ class StalenessScorer(Scorer):
         return confidence(c.ws.reported_at_s, ctx.now_s, ctx.fleet.staleness)
 
 
-@REGISTRY.register
 class BlindLoadScorer(Scorer):
     """Capacity-blind least-loaded: ``1 / (1 + queue + 4 x KV used share)``, the same for an
     L4 and an H100 (the baseline plain least-loaded routers implement)."""
@@ -439,7 +417,6 @@ class BlindLoadScorer(Scorer):
         return 1.0 / (1.0 + ws.queue_depth() + 4.0 * ws.kv_used_fraction())
 
 
-@REGISTRY.register
 class UniformScorer(Scorer):
     """Always 1: no preference (round-robin and random baselines)."""
 
@@ -452,7 +429,6 @@ class UniformScorer(Scorer):
 # -- pickers --------------------------------------------------------------------------------
 
 
-@REGISTRY.register
 class MaxScorePicker(Picker[T]):
     """Highest score first; ties by id (deterministic)."""
 
@@ -462,7 +438,6 @@ class MaxScorePicker(Picker[T]):
         return sorted(items, key=lambda it: (-it.score, it.tiebreak))
 
 
-@REGISTRY.register
 class RandomPicker(Picker[T]):
     """Uniformly random order from the injected RNG (the random baseline)."""
 
@@ -474,7 +449,6 @@ class RandomPicker(Picker[T]):
         return out
 
 
-@REGISTRY.register
 class RoundRobinPicker(Picker[T]):
     """Keeps the preselection order (a rotating window): the round-robin baseline."""
 
@@ -482,3 +456,15 @@ class RoundRobinPicker(Picker[T]):
 
     def rank(self, items: Sequence[T], rng: random.Random) -> list[T]:
         return list(items)
+
+
+# Registered by call, not by decorator: a decorated class cannot be compiled (hpd_common.native).
+for _plugin in (
+    ExecutionGateFilter, DecodeMemoryFilter, QueueCapacityFilter, StalenessFilter,
+    LabelSelectorFilter, SeedComputeScorer, CapacityComputeScorer, SeedLoadScorer,
+    WorkLoadScorer, SeedQueueScorer, QueueWaitScorer, SeedNetworkScorer, LinkTransferScorer,
+    SeedModelScorer, PrefixCacheScorer, SeedItlScorer, TierItlScorer, MemoryScorer, BatchScorer,
+    BandwidthScorer, StalenessScorer, BlindLoadScorer, UniformScorer, MaxScorePicker,
+    RandomPicker, RoundRobinPicker,
+):  # fmt: skip
+    REGISTRY.register(_plugin)
