@@ -57,14 +57,6 @@ MODULES: tuple[str, ...] = (
     "hpd_scheduler.policy.planner",
     "hpd_scheduler.policy.plugins",
     "hpd_scheduler.policy.serving",
-    "hpd_scheduler.records",
-    "hpd_scheduler.store",
-    "hpd_scheduler.keys",
-    "hpd_scheduler.views",
-    "hpd_scheduler.feedback",
-    "hpd_kvbroker.domain",
-    "hpd_kvbroker.store",
-    "hpd_kvbroker.keys",
 )
 """What is compiled: the decision path. A module listed here must compile under mypyc
 (no decorated classes, no class attributes read as instance attributes); its package's
