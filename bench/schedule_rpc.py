@@ -19,7 +19,13 @@ after `RESERVATION_TTL_MS`, standing in for the releases a gateway would send. E
 sends a fresh load report before each timed `Schedule` phase. Redis is a private
 redis-server on a free port.
 
-    python bench/schedule_rpc.py [--quick] [--json]
+    python bench/schedule_rpc.py [--quick] [--json] [--floor]
+
+``--floor`` measures what the targets are up against: the server plans the first request
+only and answers every later one with that plan (same reservation script, same record head
+written, same reply), without planning or explanations. What remains is the RPC's own cost
+beyond (E+R): the request and reply conversions, the larger messages, and the
+reservation script with its arguments.
 """
 
 from __future__ import annotations
@@ -63,7 +69,39 @@ SHAPES = (
 # -- server side (child process) -------------------------------------------------------------
 
 
-async def serve(redis_url: str, prefix: str) -> None:
+def plan_once() -> None:
+    """``--floor``: `SchedulerService.schedule` plans its first request, then reserves and
+    records that same plan (under each request's id) for every later one."""
+    from hpd_scheduler import service as svc
+    from hpd_scheduler.store import ReservationAsk
+
+    planned = svc.SchedulerService.schedule
+    first: dict[str, Any] = {}
+
+    async def schedule(self: svc.SchedulerService, req: Any) -> svc.ScheduleResult:
+        if not first:
+            out = await planned(self, req)
+            first.update(out.head)
+            return out
+        head = {**first, "request_id": req.request_id}
+        plan = head["plan"]
+        ask = ReservationAsk(
+            plan["decode_worker_id"], plan["reserved_kv_bytes"], 2**62, -1,
+            plan["prefill_worker_id"], plan["prefill_tokens"],
+        )  # fmt: skip
+        st = self.settings
+        await self.store.reserve_and_record(
+            req.request_id, head, head["decision"], ask, self.clock.now_ms(),
+            st.reservation_ttl_ms, st.record_ttl_ms, st.record_index_cap,
+        )  # fmt: skip
+        return svc.ScheduleResult(head, False)
+
+    svc.SchedulerService.schedule = schedule  # type: ignore[method-assign]
+
+
+async def serve(redis_url: str, prefix: str, floor: bool = False) -> None:
+    if floor:
+        plan_once()
     from hpd_common import native, redis_conn
     from hpd_common.logging import configure_logging
     from hpd_common.server import run_until_signal
@@ -211,11 +249,11 @@ async def measure(
     }
 
 
-async def bench_size(redis_url: str, n: int, total: int) -> dict[str, Any]:
+async def bench_size(redis_url: str, n: int, total: int, floor: bool) -> dict[str, Any]:
     prefix = f"bench{n}x{os.getpid()}"
     here = Path(__file__).resolve()  # noqa: ASYNC240
     child = subprocess.Popen(  # noqa: ASYNC220
-        [sys.executable, str(here), "--serve", redis_url, prefix],
+        [sys.executable, str(here), "--serve", redis_url, prefix, *(["--floor"] if floor else [])],
         stdout=subprocess.PIPE,
         env={**os.environ},
     )
@@ -279,14 +317,14 @@ async def bench_size(redis_url: str, n: int, total: int) -> dict[str, Any]:
         await asyncio.to_thread(child.wait, 15)
 
 
-async def main_async(quick: bool) -> dict[str, Any]:
+async def main_async(quick: bool, floor: bool) -> dict[str, Any]:
     from hpd_common.embedded_redis import EmbeddedRedis
 
     total = 1500 if quick else 4000
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(Path(tmp), persist=False) as red:
         for n in SIZES:
-            results[str(n)] = await bench_size(red.url, n, total)
+            results[str(n)] = await bench_size(red.url, n, total, floor)
     r256, r4096 = results["256"], results["4096"]
     summary = {
         "p50_vs_echo_redis_256": r256["schedule_c1"]["p50_us"] / r256["echo_redis_c1"]["p50_us"],
@@ -295,18 +333,29 @@ async def main_async(quick: bool) -> dict[str, Any]:
         "p50_vs_echo_redis_4096": r4096["schedule_c1"]["p50_us"] / r4096["echo_redis_c1"]["p50_us"],
     }
     compiled = all(r["compiled_modules"] for r in results.values())
-    return {**summary, "compiled_modules": compiled, "requests_per_run": total, "sizes": results}
+    return {
+        **summary,
+        "floor": floor,
+        "compiled_modules": compiled,
+        "requests_per_run": total,
+        "sizes": results,
+    }
 
 
 def main() -> int:
-    if len(sys.argv) == 4 and sys.argv[1] == "--serve":
-        asyncio.run(serve(sys.argv[2], sys.argv[3]))
+    if len(sys.argv) in (4, 5) and sys.argv[1] == "--serve":
+        asyncio.run(serve(sys.argv[2], sys.argv[3], floor=sys.argv[4:] == ["--floor"]))
         return 0
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer requests (under a minute)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--floor",
+        action="store_true",
+        help="plan the first request only and replay its plan (the RPC's cost without planning)",
+    )
     args = p.parse_args()
-    out = asyncio.run(main_async(args.quick))
+    out = asyncio.run(main_async(args.quick, args.floor))
     if args.json:
         print(json.dumps(out))
         return 0
@@ -326,6 +375,8 @@ def main() -> int:
     )
     print(f"p50 vs E+R at 4096:              {out['p50_vs_echo_redis_4096']:.2f}  (target <= 1.5)")
     print(f"compiled policy core:            {out['compiled_modules']}  (hpd native status)")
+    if out["floor"]:
+        print("(--floor: planned once, that plan replayed: the RPC without planning)")
     return 0
 
 

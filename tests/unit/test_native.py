@@ -138,6 +138,8 @@ def test_hpd_native_0_forces_the_pure_modules(
     monkeypatch.setenv(native.ENV, "0")
     st = native.check(tmp_path, MODULES)
     assert not st.active and "forced" in st.reason
+    # ... which chooses what runs, not whether a build is current
+    assert native.check(tmp_path, MODULES, honour_env=False).active
 
 
 def test_search_path_puts_the_compiled_directory_first_only_when_current() -> None:

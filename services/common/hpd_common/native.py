@@ -120,10 +120,11 @@ class Status:
         }
 
 
-def check(root: Path, modules: Sequence[str] = MODULES) -> Status:
-    """Whether the build in ``root`` is current for ``modules`` (module docstring)."""
+def check(root: Path, modules: Sequence[str] = MODULES, honour_env: bool = True) -> Status:
+    """Whether the build in ``root`` is current for ``modules`` (module docstring) and, with
+    ``honour_env``, not switched off by ``HPD_NATIVE=0``."""
     names = tuple(modules)
-    if os.environ.get(ENV, "").strip().lower() in ("0", "off", "false", "no"):
+    if honour_env and os.environ.get(ENV, "").strip().lower() in ("0", "off", "false", "no"):
         return Status(False, f"{ENV}=0: pure-Python modules forced", str(root), names)
     try:
         stamp = json.loads((root / STAMP).read_text())
@@ -193,8 +194,9 @@ def search_path(package: str, path: Sequence[str]) -> list[str]:
 
 
 def needs_build(root: Path) -> Status:
-    """`check`, plus a rebuild when the installed mypyc differs from the one that built."""
-    st = check(root)
+    """`check` (whatever ``HPD_NATIVE`` says: it chooses what runs, not what is built), plus
+    a rebuild when the installed mypyc differs from the one that built."""
+    st = check(root, honour_env=False)
     if not st.active:
         return st
     try:
