@@ -33,7 +33,7 @@ from hpd_kvbroker.domain import (
 )
 from hpd_kvbroker.keys import KvKeys
 from hpd_kvbroker.service import KvBrokerService, KvBrokerSettings
-from hpd_kvbroker.store import OpenArgs, SessionStore, decode_session
+from hpd_kvbroker.store import SESSION_FIELDS, OpenArgs, SessionStore, decode_session
 from hpd_registry.keys import RegistryKeys
 from hpd_registry.store import credential_hash
 
@@ -180,6 +180,31 @@ async def test_the_session_open_returns_is_the_one_it_stored(
     assert res.session.negotiation == nego
     (_, fields), *_ = await redis_client.xrevrange(store.keys.feed, count=1)
     assert decode_session(fields) == res.session  # the feed carries the same session
+
+
+async def test_each_change_replies_stores_and_feeds_the_same_whole_session(
+    store: SessionStore, redis_client: aioredis.Redis
+) -> None:
+    """Scripts send a changed session back as SESSION_FIELDS' values in order, and write it
+    into the feed by name: the list must cover every field the open script stores."""
+    s = await open_session(store)
+    stored = await redis_client.hgetall(store.keys.session(s.session_id))
+    assert {k.decode() for k in stored} == {*SESSION_FIELDS, "fp"}
+    for op, actor, nbytes in ((Op.PROGRESS, "p1", 100), (Op.COMPLETE, "d1", 0)):
+        cred = credential_hash(CRED[actor])
+        res = await store.transition(s.session_id, op.value, actor, cred, T0 + 2, nbytes)
+        assert res.status == "applied" and res.session is not None
+        assert res.session == await store.get(s.session_id)
+        (_, fields), *_ = await redis_client.xrevrange(store.keys.feed, count=1)
+        assert {k.decode() for k in fields} == set(SESSION_FIELDS)
+        assert decode_session(fields) == res.session
+    done = await store.get(s.session_id)
+    assert done is not None and done.state is S.COMPLETE and done.version == 3
+    assert done.bytes_done == GIB and done.updated_by == "d1"
+    refused = await store.transition(
+        s.session_id, Op.PROGRESS.value, "p1", credential_hash(CRED["p1"]), T0 + 3, 5
+    )
+    assert (refused.status, refused.session) == ("illegal", done)
 
 
 async def test_open_is_idempotent_per_request_id(store: SessionStore) -> None:

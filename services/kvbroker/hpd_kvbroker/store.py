@@ -8,7 +8,7 @@ replicas can never both apply a change to one version, and the sweeper, which pi
 expires overdue sessions inside one script, expires each exactly once however many
 replicas run it. Key layout: `hpd_kvbroker.keys`.
 
-Script results are `{status, <the session's hash, flattened>}`; statuses mirror
+Script results are `{status, <the session's SESSION_FIELDS values, in order>}`; statuses mirror
 `domain.Status` plus the authorisation outcomes `denied`, `not_party`, `missing`.
 """
 
@@ -37,6 +37,14 @@ from hpd_kvbroker.domain import (
 from hpd_kvbroker.keys import KvKeys
 from hpd_registry.keys import RegistryKeys
 
+SESSION_FIELDS = (
+    "sid", "rid", "src", "dst", "st", "exb", "done", "crt", "upd", "dl", "lexp", "ttl", "why",
+    "ver", "by", "neg",
+)  # fmt: skip
+"""A session hash's fields (beside ``fp``, the open request's fingerprint, which only the
+open script reads). The scripts return a session as these fields' values in this order
+(`decode_values`), and write them, by name, into its feed entry."""
+
 # KEYS: 1 ids, 2 due, 3 done, 4 busy, 5 feed.  ARGV: 1 now_ms, then per script.
 # A store's constants (key prefixes, feed length, retention) are written into its copy of
 # the scripts (`_render`), so a call sends only what varies.
@@ -48,25 +56,40 @@ local retain = @RETAIN@
 local TERMINAL = """
     + lua_terminal_set()
     + """
-local function emit(key)
-  local h = redis.call('HGETALL', key)
+local FIELDS = """
+    + "{"
+    + ", ".join(f"'{name}'" for name in SESSION_FIELDS)
+    + "}"
+    + """
+-- A session as the scripts return it: its FIELDS' values in order ('' where unset).
+local function values(s)
+  local out = {}
+  for i, name in ipairs(FIELDS) do out[i] = s[name] or '' end
+  return out
+end
+-- Appends the session `s` (as it now is) to the feed; returns its values.
+local function emit(s)
   local args = {'XADD', KEYS[5], 'MAXLEN', '~', @FEEDMAX@, '*'}
-  for i = 1, #h, 2 do
-    if h[i] ~= 'fp' then
-      args[#args + 1] = h[i]
-      args[#args + 1] = h[i + 1]
+  for _, name in ipairs(FIELDS) do
+    if s[name] then
+      args[#args + 1] = name
+      args[#args + 1] = s[name]
     end
   end
   redis.call(unpack(args))
-  return h
+  return values(s)
 end
--- What the scripts read of a session, in one call (nil if there is none); values as stored.
+-- A session's every field in one call (nil if there is none); values as stored.
 local function read_session(key)
-  local f = redis.call('HMGET', key, 'st', 'src', 'dst', 'rid', 'done', 'exb', 'ttl', 'dl',
-    'lexp')
-  if not f[1] then return nil end
-  return {st = f[1], src = f[2], dst = f[3], rid = f[4], done = f[5], exb = f[6], ttl = f[7],
-    dl = f[8], lexp = f[9]}
+  local f = redis.call('HMGET', key, unpack(FIELDS))
+  if not f["""
+    + str(SESSION_FIELDS.index("st") + 1)
+    + """] then return nil end
+  local s = {}
+  for i, name in ipairs(FIELDS) do
+    if f[i] then s[name] = f[i] end
+  end
+  return s
 end
 local function due(s)
   return math.min(tonumber(s.dl), tonumber(s.lexp))
@@ -86,11 +109,13 @@ end
 -- Moves the loaded session `s` to state `st`; `extra` holds further field/value pairs of
 -- the same change (bytes done, the renewed lease expiry).
 local function change(key, sid, s, st, by, why, extra)
-  redis.call('HINCRBY', key, 'ver', 1)
-  local args = {'HSET', key, 'st', st, 'upd', now, 'by', by}
+  s.ver = (tonumber(s.ver) or 0) + 1
+  s.st, s.upd, s.by = st, now, by
+  local args = {'HSET', key, 'st', st, 'upd', now, 'by', by, 'ver', s.ver}
   if why then
     args[#args + 1] = 'why'
     args[#args + 1] = why
+    s.why = why
   end
   if extra then
     for i = 1, #extra, 2 do
@@ -100,9 +125,8 @@ local function change(key, sid, s, st, by, why, extra)
     end
   end
   redis.call(unpack(args))
-  s.st = st
   settle(key, sid, s)
-  return emit(key)
+  return emit(s)
 end
 local function expiry_reason(s)
   if tonumber(s.dl) < now then return 'deadline_exceeded' end
@@ -134,9 +158,10 @@ local rkey = RP .. rid
 local old = redis.call('GET', rkey)
 if old then
   local okey = SP .. old
-  if redis.call('EXISTS', okey) == 1 then
+  local prior = read_session(okey)
+  if prior then
     if redis.call('HGET', okey, 'fp') ~= ARGV[12] then return {'conflict', old} end
-    return {'same', redis.call('HGETALL', okey)}
+    return {'same', values(prior)}
   end
 end
 if not live(src) then return {'gone', src} end
@@ -180,14 +205,14 @@ if not TERMINAL[st] and due(s) < now then
   return {'expired_first', change(key, sid, s, 'EXPIRED', 'broker', expiry_reason(s))}
 end
 local nxt = T[st] and T[st][op]
-if not nxt then return {'illegal', redis.call('HGETALL', key)} end
-if nxt == st and TERMINAL[st] then return {'unchanged', redis.call('HGETALL', key)} end
+if not nxt then return {'illegal', values(s)} end
+if nxt == st and TERMINAL[st] then return {'unchanged', values(s)} end
 if op == 'reserve' or op == 'progress' then
   local done = tonumber(s.done)
   if ARGV[6] ~= '' then
     local b = tonumber(ARGV[6])
-    if b < done then return {'backwards', redis.call('HGETALL', key)} end
-    if b > tonumber(s.exb) then return {'overflow', redis.call('HGETALL', key)} end
+    if b < done then return {'backwards', values(s)} end
+    if b > tonumber(s.exb) then return {'overflow', values(s)} end
     done = b
   end
   local extra = {'done', done, 'lexp', now + tonumber(s.ttl)}
@@ -302,6 +327,16 @@ def decode_session(fields: Mapping[Any, Any]) -> Session:
                 v.decode() if type(v) is bytes else str(v)
             )
             for k, v in fields.items()
+        }
+    )
+
+
+def decode_values(values: Sequence[Any]) -> Session:
+    """A session from a script's reply: `SESSION_FIELDS`' values in order."""
+    return _decode(
+        {
+            name: (v.decode() if type(v) is bytes else str(v))
+            for name, v in zip(SESSION_FIELDS, values, strict=True)
         }
     )
 
@@ -453,7 +488,7 @@ class SessionStore:
         if len(raw) < 2:
             return Result(status)
         if isinstance(raw[1], list):
-            return Result(status, decode_flat(raw[1]) if raw[1] else None)
+            return Result(status, decode_values(raw[1]) if raw[1] else None)
         return Result(status, detail=_s(raw[1]))
 
     async def open(self, a: OpenArgs, actor: str, cred_hash: str, now_ms: int) -> Result:
@@ -504,11 +539,11 @@ class SessionStore:
 
     async def sweep(self, now_ms: int, limit: int = 1000) -> SweepResult:
         changed, purged, open_count = await self._call(self._sweep, now_ms, limit)
-        return SweepResult([decode_flat(x) for x in changed], int(purged), int(open_count))
+        return SweepResult([decode_values(x) for x in changed], int(purged), int(open_count))
 
     async def fail_worker(self, worker_id: str, reason: str, now_ms: int) -> list[Session]:
         raw = await self._call(self._fail_worker, now_ms, worker_id, reason)
-        return [decode_flat(x) for x in raw]
+        return [decode_values(x) for x in raw]
 
     async def get(self, session_id: str) -> Session | None:
         try:
