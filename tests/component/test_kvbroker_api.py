@@ -322,7 +322,8 @@ async def test_open_is_idempotent_per_request_id(env: Env) -> None:
 
 
 async def test_a_worker_that_changes_its_kv_format_gets_a_new_verdict(env: Env) -> None:
-    """The broker remembers a pair's verdict only while both workers' records stay the same."""
+    """A verdict follows the workers' current records: re-registered with another KV
+    dtype, the same pair gets the new verdict."""
     refused = env.stub.OpenSession(open_request("req-fmt-1", dst="d2", who=SCHED), timeout=5)
     assert await code_of(refused) == grpc.StatusCode.FAILED_PRECONDITION
     informer = env.broker.service.informer

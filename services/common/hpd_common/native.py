@@ -17,7 +17,7 @@ from the compiled build, but only when the whole build is *current*:
 
 Anything else imports the pure-Python modules, which stay the reference: both behave the
 same (tests/unit/test_native.py compares their decisions), and every service runs either
-way. `status()` says which is active and why; the services log it at start and the
+way. `status()` says which is active and why; the scheduler logs it at start and the
 benchmarks report it.
 
 Building needs mypy (a dev dependency), setuptools and a C compiler; `scripts/bootstrap.sh`
@@ -27,6 +27,7 @@ runs ``build --if-stale`` and carries on with the pure modules if it cannot.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -110,14 +111,6 @@ class Status:
     reason: str
     root: str
     modules: tuple[str, ...]
-
-    def as_dict(self) -> dict[str, object]:
-        return {
-            "active": self.active,
-            "reason": self.reason,
-            "root": self.root,
-            "modules": list(self.modules),
-        }
 
 
 def check(root: Path, modules: Sequence[str] = MODULES, honour_env: bool = True) -> Status:
@@ -291,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.action == "status":
         st = check(root)
         if args.json:
-            print(json.dumps(st.as_dict()))
+            print(json.dumps(dataclasses.asdict(st)))
         else:
             print(f"compiled modules: {'in use' if st.active else 'not in use'} ({st.reason})")
             print(f"build directory:  {root}")

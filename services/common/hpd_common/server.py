@@ -25,7 +25,6 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from hetero_pd.v1 import diagnostics_pb2, diagnostics_pb2_grpc
-from hpd_common import native
 from hpd_common.aio import cancel_and_wait
 from hpd_common.diagnostics import DiagnosticsApi
 from hpd_common.errors import InvalidArgument
@@ -216,7 +215,6 @@ class GrpcServer:
             address=f"{self.settings.host}:{self.port}",
             tls=creds is not None,
             mtls=bool(self.settings.tls_client_ca_file),
-            compiled_modules=native.status().active,
         )
         return self.port
 

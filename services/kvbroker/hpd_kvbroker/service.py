@@ -224,7 +224,6 @@ class KvBrokerService:
         self._watchers: dict[str, set[asyncio.Queue[Session]]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[list[Session]]] = set()
-        self._pair_memo: dict[tuple[str, str], tuple[WorkerRecord, WorkerRecord, Negotiated]] = {}
         self._tail_client: aioredis.Redis | None = None
         self._tail_wanted = asyncio.Event()
         self._tail_ready = asyncio.Event()
@@ -277,30 +276,11 @@ class KvBrokerService:
 
     async def negotiate(self, source: str | KvFormat, destination: str | KvFormat) -> Negotiated:
         """The verdict for KV moving from `source` to `destination` (worker ids or formats)."""
-        if type(source) is str and type(destination) is str:
-            got = await self._negotiate_workers(source, destination)
-        else:
-            src = await self._format("source", source)
-            dst = await self._format("destination", destination)
-            got = Negotiated(self.matrix.negotiate(src, dst), src, dst)
-        metrics.observe_negotiation(got.negotiation.verdict)
-        return got
-
-    async def _negotiate_workers(self, source: str, destination: str) -> Negotiated:
-        """Two workers' verdict, remembered for as long as both records are the same objects
-        (the informer replaces a record when it changes), so a session opened between the
-        same two workers does not rehash their formats."""
-        src = await self._worker("source_worker_id", source)
-        dst = await self._worker("destination_worker_id", destination)
-        hit = self._pair_memo.get((source, destination))
-        if hit is not None and hit[0] is src and hit[1] is dst:
-            return hit[2]
-        f, g = src.spec.kv_format, dst.spec.kv_format
-        got = Negotiated(self.matrix.negotiate(f, g), f, g)
-        if len(self._pair_memo) >= 65_536:
-            self._pair_memo.clear()
-        self._pair_memo[(source, destination)] = (src, dst, got)
-        return got
+        src = await self._format("source", source)
+        dst = await self._format("destination", destination)
+        n = self.matrix.negotiate(src, dst)  # memoised per format pair
+        metrics.observe_negotiation(n.verdict)
+        return Negotiated(n, src, dst)
 
     def compatibility(self, model_id: str) -> MatrixView:
         check_id("model_id", model_id)

@@ -67,16 +67,20 @@ local function values(s)
   for i, name in ipairs(FIELDS) do out[i] = s[name] or '' end
   return out
 end
--- Appends the session `s` (as it now is) to the feed; returns its values.
-local function emit(s)
-  local args = {'XADD', KEYS[5], 'MAXLEN', '~', @FEEDMAX@, '*'}
+-- The session `s` as field/value pairs in FIELDS order (unset fields left out).
+local function pairs_of(s)
+  local out = {}
   for _, name in ipairs(FIELDS) do
     if s[name] then
-      args[#args + 1] = name
-      args[#args + 1] = s[name]
+      out[#out + 1] = name
+      out[#out + 1] = s[name]
     end
   end
-  redis.call(unpack(args))
+  return out
+end
+-- Appends the session `s` (as it now is) to the feed; returns its values.
+local function emit(s)
+  redis.call('XADD', KEYS[5], 'MAXLEN', '~', @FEEDMAX@, '*', unpack(pairs_of(s)))
   return values(s)
 end
 -- A session's every field in one call (nil if there is none); values as stored.
@@ -170,9 +174,9 @@ local key = SP .. sid
 local by = ARGV[6]
 if by == '' then by = 'scheduler' end
 local ttl = tonumber(ARGV[10])
-local h = {'sid', sid, 'rid', rid, 'src', src, 'dst', dst, 'st', 'NEGOTIATED', 'exb', ARGV[8],
-  'done', 0, 'crt', now, 'upd', now, 'dl', ARGV[9], 'lexp', now + ttl, 'ttl', ttl, 'why', '',
-  'ver', 1, 'by', by, 'neg', ARGV[11]}
+local h = pairs_of({sid = sid, rid = rid, src = src, dst = dst, st = 'NEGOTIATED', exb = ARGV[8],
+  done = 0, crt = now, upd = now, dl = ARGV[9], lexp = now + ttl, ttl = ttl, why = '', ver = 1,
+  by = by, neg = ARGV[11]})
 redis.call('HSET', key, 'fp', ARGV[12], unpack(h))
 redis.call('XADD', KEYS[5], 'MAXLEN', '~', @FEEDMAX@, '*', unpack(h))
 redis.call('SET', rkey, sid)
@@ -344,14 +348,7 @@ def decode_values(values: Sequence[Any]) -> Session:
 def decode_flat(flat: Sequence[Any]) -> Session:
     """A session from HGETALL's flat [field, value, ...] reply (bytes)."""
     it = iter(flat)
-    return _decode(
-        {
-            (k.decode() if type(k) is bytes else str(k)): (
-                v.decode() if type(v) is bytes else str(v)
-            )
-            for k, v in zip(it, it, strict=True)
-        }
-    )
+    return decode_session(dict(zip(it, it, strict=True)))
 
 
 def _decode(f: dict[str, str]) -> Session:

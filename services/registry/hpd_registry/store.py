@@ -320,9 +320,14 @@ def decode_load(raw: bytes | str) -> LoadReport:
 
 def decode_record(fields: Mapping[Any, Any]) -> WorkerRecord:
     """A worker record from its hash fields (as stored, or as carried by a put event)."""
-    f = {_s(k): v for k, v in fields.items()}
-    raw_load = f.pop("load", None)
-    f = {k: _s(v) for k, v in f.items()}
+    f: dict[str, str] = {}
+    raw_load: bytes | str | None = None
+    for k, v in fields.items():
+        name = _s(k)
+        if name == "load":
+            raw_load = v  # binary: decoded by decode_load, not as text
+        else:
+            f[name] = _s(v)
     state = WorkerState(
         registered_at_ms=int(f.get("reg") or 0),
         last_heartbeat_ms=int(f.get("hb") or 0),
@@ -416,13 +421,13 @@ class RegistryStore:
         """Renews many leases and stores many load reports in one round trip."""
         args: list[Any] = [len(items)]
         for it in items:
-            load_json = encode_load(it.load) if it.load is not None else b""
+            load = encode_load(it.load) if it.load is not None else b""
             lat = it.load.reported_at_ms if it.load is not None else 0
             args += [
                 it.worker_id,
                 it.credential_hash,
                 it.ttl_ms,
-                load_json,
+                load,
                 lat,
                 it.health,
                 it.reason,

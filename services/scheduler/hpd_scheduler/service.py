@@ -49,6 +49,7 @@ from typing import Any
 import redis.asyncio as aioredis
 import yaml
 
+from hpd_common import native
 from hpd_common.clock import Clock
 from hpd_common.errors import (
     FailedPrecondition,
@@ -394,6 +395,8 @@ class SchedulerService:
     # -- lifecycle --------------------------------------------------------------------------
 
     async def start(self) -> None:
+        compiled = native.status()
+        log.info("policy_core", compiled=compiled.active, why=compiled.reason)
         await self.informer.start()
         self._tasks = [
             asyncio.create_task(self._rebuild_loop(), name="scheduler-fleet"),
