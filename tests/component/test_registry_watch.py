@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -115,6 +116,35 @@ async def test_watch_from_trimmed_revision_resyncs(redis_server: Any, key_prefix
         assert ev.type == T.WATCH_EVENT_TYPE_RESYNC
         ev = await call.read()
         assert ev.type == T.WATCH_EVENT_TYPE_SNAPSHOT and ev.worker.load.queue_depth == 299
+        call.cancel()
+    finally:
+        await channel.close()
+        await server.stop(0)
+
+
+@pytest.mark.skipif(external("registry") is not None, reason="needs its own registry settings")
+async def test_first_watcher_gets_live_changes_without_waiting_out_the_idle_tailer(
+    redis_server: Any, key_prefix: str
+) -> None:
+    """With nobody watching, the feed reader only checks the revision, once a second here.
+    A new watcher wakes it: a registration right after the snapshot arrives at once, not
+    when the idle second is over (a broker or scheduler started just before its workers
+    would otherwise look them up in Redis for up to that second)."""
+    server = await start_registry(redis_server.url, key_prefix, bookmark_interval_ms=1_000)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    try:
+        from hetero_pd.v1 import registry_pb2_grpc as r_grpc
+
+        stub = r_grpc.RegistryServiceStub(channel)
+        await asyncio.sleep(0.1)  # the reader has found nobody watching and idles
+        call = EventReader(stub.WatchWorkers(r.WatchWorkersRequest()))
+        await next_event(call, T.WATCH_EVENT_TYPE_SNAPSHOT_END)
+        wid = key_prefix + "-late"
+        t0 = time.monotonic()
+        await stub.RegisterWorker(r.RegisterWorkerRequest(capability=capability(wid)), timeout=5)
+        await next_event(call, T.WATCH_EVENT_TYPE_PUT, wid)
+        waited = time.monotonic() - t0
+        assert waited < 0.5, f"the registration reached the new watcher after {waited:.2f} s"
         call.cancel()
     finally:
         await channel.close()

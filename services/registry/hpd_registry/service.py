@@ -195,6 +195,7 @@ class RegistryService:
         self._wake_batcher = asyncio.Event()
         self._subscribers: set[_Subscriber] = set()
         self._subscriber_epoch = 0
+        self._subscribed = asyncio.Event()  # wakes an idle feed tailer
         self._streams: dict[str, asyncio.Queue[Any]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._tail_client: aioredis.Redis | None = None
@@ -530,6 +531,7 @@ class RegistryService:
         sub = _Subscriber(self.settings.watch_queue_max)
         self._subscribers.add(sub)
         self._subscriber_epoch += 1
+        self._subscribed.set()
         known: set[str] = set()
 
         def wanted(ev: WatchEvent) -> bool:
@@ -642,12 +644,16 @@ class RegistryService:
                 if last is None:
                     last = await self.store.revision()
                 if not self._subscribers:  # nobody watches: follow the revision, decode nothing
+                    self._subscribed.clear()
                     epoch = self._subscriber_epoch
                     current = await self.store.revision()
                     if not self._subscribers and epoch == self._subscriber_epoch:
-                        # safe: any later subscriber catches up past `current` by itself
+                        # safe: any later subscriber catches up past `current` by itself,
+                        # and wakes this loop, so its live changes are not held back
                         last = current
-                        await asyncio.sleep(block_ms / 1000)
+                        with contextlib.suppress(TimeoutError):
+                            async with asyncio.timeout(block_ms / 1000):
+                                await self._subscribed.wait()
                         continue
                 entries = await self.store.feed_block(self._tail_client, last, block_ms)
                 if entries:
