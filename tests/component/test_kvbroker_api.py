@@ -10,6 +10,7 @@ from typing import Any
 
 import grpc
 import pytest
+from prometheus_client import REGISTRY
 
 from hetero_pd.v1 import common_pb2 as c
 from hetero_pd.v1 import kvbroker_pb2 as k
@@ -449,3 +450,62 @@ async def test_list_sessions_filters_and_pages(env: Env) -> None:
     assert list(of_d2.sessions) == []
     of_d1 = await env.stub.ListSessions(k.ListSessionsRequest(worker_id="d1"), timeout=5)
     assert len(of_d1.sessions) == 5
+
+
+def _sample(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+async def test_metrics_count_changes_bytes_durations_expiries_and_verdicts(env: Env) -> None:
+    """What the broker exports (`hpd_kv_*`) moves with each session change it makes."""
+    names = {
+        "opened": ("hpd_kv_sessions_total", {"state": "NEGOTIATED"}),
+        "moving": ("hpd_kv_sessions_total", {"state": "TRANSFERRING"}),
+        "complete": ("hpd_kv_sessions_total", {"state": "COMPLETE"}),
+        "expired": ("hpd_kv_sessions_total", {"state": "EXPIRED"}),
+        "moved_bytes": ("hpd_kv_session_bytes_total", {"state": "COMPLETE"}),
+        "stranded_bytes": ("hpd_kv_session_bytes_total", {"state": "EXPIRED"}),
+        "durations": ("hpd_kv_session_duration_seconds_count", {"state": "COMPLETE"}),
+        "deadline_expiries": ("hpd_kv_session_expiries_total", {"reason": "deadline_exceeded"}),
+        "convertible": ("hpd_kv_negotiations_total", {"verdict": "convertible"}),
+    }
+
+    def snapshot() -> dict[str, float]:
+        return {key: _sample(name, **labels) for key, (name, labels) in names.items()}
+
+    before = snapshot()
+    p1, d1 = env.as_("p1"), env.as_("d1")
+    opened = await env.stub.OpenSession(open_request("metrics-1", who=p1), timeout=5)
+    assert opened.session.negotiation.verdict == V.COMPATIBILITY_VERDICT_CONVERTIBLE
+    sid = opened.session.session_id
+    await env.stub.ReportProgress(
+        k.ReportProgressRequest(session_id=sid, caller=p1, bytes_done=GIB // 2), timeout=5
+    )
+    await env.stub.CompleteSession(k.CompleteSessionRequest(session_id=sid, caller=d1), timeout=5)
+    late = await env.stub.OpenSession(
+        open_request("metrics-2", who=p1, deadline_ms=300, lease_ttl_ms=300), timeout=5
+    )
+    await env.stub.ReportProgress(
+        k.ReportProgressRequest(session_id=late.session.session_id, caller=p1, bytes_done=GIB // 4),
+        timeout=5,
+    )
+
+    async def expired() -> bool:
+        got = await env.stub.GetSession(
+            k.GetSessionRequest(session_id=late.session.session_id), timeout=5
+        )
+        return bool(got.session.state == k.SESSION_STATE_EXPIRED)
+
+    await _eventually(expired)
+    after = snapshot()
+    assert {key: after[key] - before[key] for key in names} == {
+        "opened": 2,
+        "moving": 2,
+        "complete": 1,
+        "expired": 1,
+        "moved_bytes": GIB,
+        "stranded_bytes": GIB // 4,
+        "durations": 1,
+        "deadline_expiries": 1,
+        "convertible": 2,
+    }

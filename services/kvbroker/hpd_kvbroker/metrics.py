@@ -45,6 +45,9 @@ MATRIX_PAIRS = Gauge("hpd_kv_matrix_pairs", "Prefill x decode pairs in the matri
 
 
 _ENTERED = {state: SESSIONS.labels(state=state.value) for state in SessionState}
+_ENDS = [state for state in SessionState if state.terminal]
+_ENDED_BYTES = {state: SESSION_BYTES.labels(state=state.value) for state in _ENDS}
+_ENDED_SECONDS = {state: SESSION_SECONDS.labels(state=state.value) for state in _ENDS}
 _VERDICTS = {v: NEGOTIATIONS.labels(verdict=v.value) for v in Verdict}
 
 
@@ -57,8 +60,7 @@ def observe_change(s: Session) -> None:
     _ENTERED[s.state].inc()
     if not s.state.terminal:
         return
-    done = s.bytes_done
-    SESSION_BYTES.labels(state=s.state.value).inc(done)
-    SESSION_SECONDS.labels(state=s.state.value).observe(max(0, s.updated_ms - s.created_ms) / 1000)
+    _ENDED_BYTES[s.state].inc(s.bytes_done)
+    _ENDED_SECONDS[s.state].observe(max(0, s.updated_ms - s.created_ms) / 1000)
     if s.state.value == "EXPIRED":
         EXPIRIES.labels(reason=s.reason).inc()

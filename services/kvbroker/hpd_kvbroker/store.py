@@ -317,6 +317,10 @@ def _s(value: bytes | str | None) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+_COMPATIBLE = '{"verdict":"compatible"}'
+"""The negotiation of a session stored without one."""
+
+
 @functools.lru_cache(maxsize=4096)
 def _negotiation(text: str) -> Negotiation:
     """Stored negotiations repeat (a fleet has few format pairs): decode each text once."""
@@ -335,13 +339,33 @@ def decode_session(fields: Mapping[Any, Any]) -> Session:
     )
 
 
+_STATES = {state.value.encode(): state for state in SessionState}
+
+
 def decode_values(values: Sequence[Any]) -> Session:
-    """A session from a script's reply: `SESSION_FIELDS`' values in order."""
-    return _decode(
-        {
-            name: (v.decode() if type(v) is bytes else str(v))
-            for name, v in zip(SESSION_FIELDS, values, strict=True)
-        }
+    """A session from a script's reply: `SESSION_FIELDS`' values in order (bytes; a number
+    the script computed comes as an integer).
+
+    Every change's reply goes through here, so it reads the values by position (no
+    intermediate dict) and parses numbers from the bytes directly."""
+    sid, rid, src, dst, st, exb, done, crt, upd, dl, lexp, ttl, why, ver, by, neg = values
+    return Session(
+        session_id=sid.decode(),
+        request_id=rid.decode(),
+        source_worker_id=src.decode(),
+        destination_worker_id=dst.decode(),
+        state=_STATES[st],
+        expected_bytes=int(exb or 0),
+        bytes_done=int(done or 0),
+        created_ms=int(crt or 0),
+        updated_ms=int(upd or 0),
+        deadline_ms=int(dl or 0),
+        lease_expires_ms=int(lexp or 0),
+        lease_ttl_ms=int(ttl or 0),
+        negotiation=_negotiation(neg.decode() if neg else _COMPATIBLE),
+        reason=why.decode(),
+        version=int(ver or 0),
+        updated_by=by.decode(),
     )
 
 
@@ -365,7 +389,7 @@ def _decode(f: dict[str, str]) -> Session:
         deadline_ms=int(f.get("dl") or 0),
         lease_expires_ms=int(f.get("lexp") or 0),
         lease_ttl_ms=int(f.get("ttl") or 0),
-        negotiation=_negotiation(f.get("neg") or '{"verdict":"compatible"}'),
+        negotiation=_negotiation(f.get("neg") or _COMPATIBLE),
         reason=f.get("why", ""),
         version=int(f.get("ver") or 0),
         updated_by=f.get("by", ""),
@@ -446,6 +470,8 @@ class SessionStore:
         self.registry_keys = registry_keys
         self.retention_ms = retention_ms
         self.feed_max_len = feed_max_len
+        k = keys
+        self._keys = (k.ids, k.due, k.done, k.busy, k.feed)  # every script's KEYS, in order
         self._open = client.register_script(self._render(_OPEN))
         self._transition = client.register_script(self._render(_TRANSITION))
         self._sweep = client.register_script(self._render(_SWEEP))
@@ -468,14 +494,9 @@ class SessionStore:
             script = script.replace(marker, value)
         return script
 
-    @property
-    def _keys(self) -> list[str]:
-        k = self.keys
-        return [k.ids, k.due, k.done, k.busy, k.feed]
-
     async def _call(self, script: Any, now_ms: int, *rest: Any) -> Any:
         try:
-            return await script(keys=self._keys, args=[now_ms, *rest])
+            return await script(keys=self._keys, args=(now_ms, *rest))
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
             raise _unavailable(exc) from exc
 
