@@ -470,8 +470,7 @@ class SessionStore:
         self.registry_keys = registry_keys
         self.retention_ms = retention_ms
         self.feed_max_len = feed_max_len
-        k = keys
-        self._keys = (k.ids, k.due, k.done, k.busy, k.feed)  # every script's KEYS, in order
+        self._keys = (keys.ids, keys.due, keys.done, keys.busy, keys.feed)  # every script's KEYS
         self._open = client.register_script(self._render(_OPEN))
         self._transition = client.register_script(self._render(_TRANSITION))
         self._sweep = client.register_script(self._render(_SWEEP))
