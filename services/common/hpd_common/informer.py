@@ -150,7 +150,9 @@ class FleetInformer:
             try:
                 stub = r_grpc.RegistryServiceStub(channel)
                 call = stub.WatchWorkers(
-                    r.WatchWorkersRequest(from_revision=self.revision, model_id=self.model_id)
+                    r.WatchWorkersRequest(
+                        from_revision=self._resume_revision(), model_id=self.model_id
+                    )
                 )
                 async for msg in call:
                     backoff = 0.1
@@ -172,6 +174,20 @@ class FleetInformer:
                     await channel.close()
             await asyncio.sleep(backoff)
             backoff = min(self._max_backoff_s, backoff * 2)
+
+    def _resume_revision(self) -> int:
+        """The revision a (re)connection asks to resume from.
+
+        A stream that broke inside a snapshot left a half-built one behind. Resuming from
+        `revision` would then replay changes into a snapshot that never ends (every change
+        is ignored until SNAPSHOT_END, which a replay does not send), freezing the view
+        while bookmarks keep it looking fresh. So the half-built snapshot is dropped and a
+        fresh one asked for (revision 0); the view in use stays until that one ends."""
+        if self._in_snapshot:
+            self._pending = {}
+            self._in_snapshot = False
+            return 0
+        return self.revision
 
     def _apply(self, ev: Any) -> None:
         t = ev.type
