@@ -13,7 +13,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hetero_pd.v1 import common_pb2 as c
 from hetero_pd.v1 import kvbroker_pb2 as k
+from hetero_pd.v1 import registry_pb2 as r
 from hetero_pd.v1 import registry_pb2_grpc as r_grpc
+from hpd_common import redis_conn
 from hpd_common.embedded_redis import EmbeddedRedis
 from hpd_kvbroker.api import SERVICE_NAME
 from tests.conftest import RegistryHandle, start_registry, stop_server
@@ -188,3 +190,57 @@ async def test_redis_down_unavailable_not_serving_then_recovery(tmp_path: Path) 
 
 async def _is(status: Callable[[], Awaitable[int]], want: int) -> bool:
     return await status() == want
+
+
+async def test_redis_refusing_writes_answers_unavailable_and_the_sweepers_carry_on(
+    tmp_path: Path,
+) -> None:
+    """Redis at its memory limit refuses every script (OOM): the RPCs answer UNAVAILABLE, and
+    the broker's and the registry's sweepers, failing meanwhile, resume once it accepts
+    writes again: an overdue session expires and a silent worker's lease ends."""
+    redis = EmbeddedRedis(tmp_path / "redis", persist=False).start()
+    registry = await start_registry(redis.url, "hpd")
+    reg_channel = grpc.aio.insecure_channel(f"127.0.0.1:{registry.port}")
+    broker = await start_broker(redis.url, "hpd")
+    admin = redis_conn.connect(redis.url)
+    try:
+        reg_stub = r_grpc.RegistryServiceStub(reg_channel)
+        p1 = await register(reg_stub, "p1", lease_ttl_ms=60_000)
+        await register(reg_stub, "d1", lease_ttl_ms=60_000, stages=(c.STAGE_DECODE,))
+        await register(reg_stub, "silent", lease_ttl_ms=300)
+        opened = await broker.stub.OpenSession(
+            open_request("req-1", who=caller("p1", p1), deadline_ms=300, lease_ttl_ms=300),
+            timeout=5,
+        )
+        sid = opened.session.session_id
+
+        await admin.config_set("maxmemory", 1)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await broker.stub.ReportProgress(
+                k.ReportProgressRequest(session_id=sid, caller=caller("p1", p1), bytes_done=7),
+                timeout=5,
+            )
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        await asyncio.sleep(0.6)  # both are overdue now; every sweep meanwhile was refused
+        await admin.config_set("maxmemory", 0)
+
+        async def expired() -> bool:
+            got = await broker.stub.GetSession(k.GetSessionRequest(session_id=sid), timeout=5)
+            return bool(got.session.state == k.SESSION_STATE_EXPIRED)
+
+        async def silent_gone() -> bool:
+            try:
+                await reg_stub.GetWorker(r.GetWorkerRequest(worker_id="silent"), timeout=5)
+            except grpc.aio.AioRpcError as exc:
+                return bool(exc.code() == grpc.StatusCode.NOT_FOUND)
+            return False
+
+        await eventually(expired)
+        await eventually(silent_gone)
+    finally:
+        await admin.config_set("maxmemory", 0)
+        await admin.aclose()
+        await broker.close()
+        await reg_channel.close()
+        await stop_server(registry)
+        redis.stop()

@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import DataError, RedisError
+from redis.exceptions import DataError, MasterDownError, OutOfMemoryError, ReadOnlyError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from hpd_common import metrics
@@ -25,6 +25,17 @@ from hpd_common.aio import cancel_and_wait
 from hpd_common.logging import get_logger
 
 log = get_logger("redis")
+
+STORE_DOWN: tuple[type[Exception], ...] = (
+    RedisConnectionError,  # unreachable, refused, still loading its data, or no credentials
+    RedisTimeoutError,
+    OSError,
+    ReadOnlyError,  # a replica after a failover, until the client reaches the new primary
+    OutOfMemoryError,  # maxmemory reached: writes refused until memory is freed
+    MasterDownError,  # a replica that lost its primary
+)
+"""What a store turns into `errors.Unavailable`: Redis cannot serve this now, and a retry
+later may succeed. Anything else from Redis is a bug (a script error, a wrong type)."""
 
 
 class _CPackedCommands:

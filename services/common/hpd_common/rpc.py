@@ -14,6 +14,7 @@ into the structlog context, counts and times the call, and translates:
 | ResourceExhausted              | RESOURCE_EXHAUSTED (+ `retry-after-ms` trailer) |
 | Aborted                        | ABORTED             |
 | Unavailable, Redis conn/timeout| UNAVAILABLE         |
+| Redis OOM/READONLY/MASTERDOWN  | UNAVAILABLE (Redis refuses writes for now) |
 | anything else                  | INTERNAL (logged with its traceback: a bug) |
 
 `context.abort` raises `grpc.aio.AbortError`, which passes through untouched.
@@ -51,6 +52,9 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (redis.exceptions.ConnectionError, grpc.StatusCode.UNAVAILABLE),
     (redis.exceptions.TimeoutError, grpc.StatusCode.UNAVAILABLE),
     (redis.exceptions.BusyLoadingError, grpc.StatusCode.UNAVAILABLE),
+    (redis.exceptions.ReadOnlyError, grpc.StatusCode.UNAVAILABLE),
+    (redis.exceptions.OutOfMemoryError, grpc.StatusCode.UNAVAILABLE),
+    (redis.exceptions.MasterDownError, grpc.StatusCode.UNAVAILABLE),
     (ConnectionError, grpc.StatusCode.UNAVAILABLE),
     (TimeoutError, grpc.StatusCode.UNAVAILABLE),
 ]

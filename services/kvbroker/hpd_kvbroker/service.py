@@ -583,6 +583,8 @@ class KvBrokerService:
                 await self.sweep_once()
             except Unavailable as exc:
                 log.warning("sweep_failed", error=str(exc))
+            except Exception:  # a bug or a Redis refusal must not end the sweeps for good
+                log.exception("sweep_error")
 
     async def _tail_feed(self) -> None:
         """One blocking reader per replica feeds every WatchSession stream it serves.

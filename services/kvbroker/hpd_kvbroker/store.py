@@ -22,11 +22,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from hpd_common.errors import Unavailable
 from hpd_common.kvformat import Negotiation
+from hpd_common.redis_conn import STORE_DOWN
 from hpd_kvbroker.domain import (
     Session,
     SessionState,
@@ -496,7 +495,7 @@ class SessionStore:
     async def _call(self, script: Any, now_ms: int, *rest: Any) -> Any:
         try:
             return await script(keys=self._keys, args=(now_ms, *rest))
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        except STORE_DOWN as exc:
             raise _unavailable(exc) from exc
 
     @staticmethod
@@ -565,7 +564,7 @@ class SessionStore:
     async def get(self, session_id: str) -> Session | None:
         try:
             fields = await self.client.hgetall(self.keys.session(session_id))
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        except STORE_DOWN as exc:
             raise _unavailable(exc) from exc
         return decode_session(fields) if fields else None
 
@@ -575,7 +574,7 @@ class SessionStore:
                 keys=[self.keys.ids],
                 args=[self.keys.request_prefix, request_id, self.keys.session_prefix],
             )
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        except STORE_DOWN as exc:
             raise _unavailable(exc) from exc
         return decode_flat(flat) if flat else None
 
@@ -591,7 +590,7 @@ class SessionStore:
                 for sid in ids:
                     pipe.hgetall(self.keys.session(_s(sid)))
                 rows = await pipe.execute()
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        except STORE_DOWN as exc:
             raise _unavailable(exc) from exc
         return [decode_session(r) for r in rows if r]
 
@@ -600,14 +599,14 @@ class SessionStore:
             ids = await self.client.zrangebylex(
                 self.keys.ids, b"(" + after.encode(), b"+", start=0, num=1
             )
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        except STORE_DOWN as exc:
             raise _unavailable(exc) from exc
         return bool(ids)
 
     async def feed_last_id(self) -> str:
         try:
             rows = await self.client.xrevrange(self.keys.feed, "+", "-", count=1)
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        except STORE_DOWN as exc:
             raise _unavailable(exc) from exc
         return _s(rows[0][0]) if rows else "0-0"
 
@@ -619,7 +618,7 @@ class SessionStore:
         sessions nobody on this replica watches."""
         try:
             res = await client.xread({self.keys.feed: after_id}, count=count, block=block_ms)
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        except STORE_DOWN as exc:
             raise _unavailable(exc) from exc
         if not res:
             return []

@@ -684,6 +684,9 @@ class RegistryService:
             except Unavailable as exc:
                 log.warning("sweep_failed", error=str(exc))
                 continue
+            except Exception:  # a bug or a Redis refusal must not end the sweeps for good
+                log.exception("sweep_error")
+                continue
             for wid in expired:
                 log.info("worker_expired", worker_id=wid)
                 q = self._streams.get(wid)

@@ -17,11 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from hpd_common.errors import Unavailable
+from hpd_common.redis_conn import STORE_DOWN
 from hpd_registry.domain import Directive, LoadReport, WorkerRecord, WorkerSpec, WorkerState
 from hpd_registry.keys import RegistryKeys
 
@@ -402,7 +401,7 @@ class RegistryStore:
     async def _call(self, script: Any, now_ms: int, *rest: Any) -> Any:
         try:
             return await script(keys=self._keys, args=self._argv(now_ms, *rest))
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        except STORE_DOWN as exc:
             raise _unavailable(exc) from exc
 
     async def register(
@@ -470,7 +469,7 @@ class RegistryStore:
         """The revision and every worker, atomically."""
         try:
             raw = await self._snapshot(keys=self._keys, args=[self.keys.worker_prefix])
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        except STORE_DOWN as exc:
             raise _unavailable(exc) from exc
         rev = int(raw[0])
         records = []
@@ -485,7 +484,7 @@ class RegistryStore:
     async def get(self, worker_id: str) -> WorkerRecord | None:
         try:
             fields = await self.client.hgetall(self.keys.worker(worker_id))
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        except STORE_DOWN as exc:
             raise _unavailable(exc) from exc
         return decode_record(fields) if fields else None
 
@@ -494,7 +493,7 @@ class RegistryStore:
         start = b"(" + after.encode() if after else b"-"
         try:
             ids = await self.client.zrangebylex(self.keys.ids, start, b"+", start=0, num=count)
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        except STORE_DOWN as exc:
             raise _unavailable(exc) from exc
         return [_s(x) for x in ids]
 
@@ -504,14 +503,14 @@ class RegistryStore:
                 for wid in worker_ids:
                     pipe.hgetall(self.keys.worker(wid))
                 rows = await pipe.execute()
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        except STORE_DOWN as exc:
             raise _unavailable(exc) from exc
         return [decode_record(r) for r in rows if r]
 
     async def revision(self) -> int:
         try:
             raw = await self.client.get(self.keys.revision)
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        except STORE_DOWN as exc:
             raise _unavailable(exc) from exc
         return int(raw or 0)
 
@@ -519,7 +518,7 @@ class RegistryStore:
         """Revision of the oldest entry the feed still holds (None if empty)."""
         try:
             rows = await self.client.xrange(self.keys.feed, "-", "+", count=1)
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        except STORE_DOWN as exc:
             raise _unavailable(exc) from exc
         return int(_s(rows[0][0]).split("-")[0]) if rows else None
 
@@ -527,7 +526,7 @@ class RegistryStore:
         """Feed entries with revision > `revision`, oldest first."""
         try:
             rows = await self.client.xrange(self.keys.feed, f"{revision + 1}-0", "+", count=count)
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        except STORE_DOWN as exc:
             raise _unavailable(exc) from exc
         return [decode_feed_entry(eid, fields) for eid, fields in rows]
 
@@ -539,7 +538,7 @@ class RegistryStore:
             res = await client.xread({self.keys.feed: f"{revision}-0"}, count=count, block=block_ms)
         except ResponseError:
             raise
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        except STORE_DOWN as exc:
             raise _unavailable(exc) from exc
         if not res:
             return []
@@ -552,13 +551,13 @@ class RegistryStore:
                 pipe.rpush(self.keys.directives(worker_id), canonical_json(directive.to_dict()))
                 pipe.publish(self.keys.directive_channel, worker_id)
                 await pipe.execute()
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        except STORE_DOWN as exc:
             raise _unavailable(exc) from exc
 
     async def pop_directives(self, worker_id: str, count: int = 100) -> list[Directive]:
         try:
             raw = await self.client.lpop(self.keys.directives(worker_id), count)
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        except STORE_DOWN as exc:
             raise _unavailable(exc) from exc
         return [Directive.from_dict(json.loads(x)) for x in (raw or [])]
 
@@ -569,5 +568,5 @@ class RegistryStore:
         payload = [canonical_json(d.to_dict()) for d in reversed(directives)]
         try:
             await self.client.lpush(self.keys.directives(worker_id), *payload)
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        except STORE_DOWN as exc:
             raise _unavailable(exc) from exc

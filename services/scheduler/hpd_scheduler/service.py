@@ -529,6 +529,8 @@ class SchedulerService:
                 await self.sync_reservations()
             except Unavailable as exc:
                 log.debug("reservation_sync_failed", error=str(exc))
+            except Exception:  # keep mirroring: a failed round must not end the loop
+                log.exception("reservation_sync_error")
             await asyncio.sleep(self.settings.reservation_sync_interval_ms / 1000)
 
     # -- Schedule ---------------------------------------------------------------------------
@@ -735,6 +737,8 @@ class SchedulerService:
                 await self._flush_explanations()
             except Unavailable as exc:
                 log.warning("explanations_dropped", error=str(exc))
+            except Exception:  # drop this batch, keep writing later ones
+                log.exception("explanations_error")
 
     async def get_record(self, request_id: str) -> StoredRecord:
         rec = await self.store.get(request_id)
@@ -979,3 +983,5 @@ class SchedulerService:
                 await self.send_directives()
             except Unavailable as exc:
                 log.warning("directives_skipped", error=str(exc))
+            except Exception:  # skip this round, keep sending later ones
+                log.exception("directives_error")

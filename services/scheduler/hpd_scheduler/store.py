@@ -26,10 +26,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from hpd_common.errors import Unavailable
+from hpd_common.redis_conn import STORE_DOWN
 from hpd_scheduler.keys import SchedulerKeys
 from hpd_scheduler.policy.decision import decode_explanation
 
@@ -231,7 +230,7 @@ class SchedulerStore:
     async def _run(self, script: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
         try:
             return await script(keys=list(keys), args=list(args))
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        except STORE_DOWN as exc:
             raise Unavailable(f"state store unavailable: {exc}") from exc
 
     async def reserve_and_record(
@@ -304,7 +303,7 @@ class SchedulerStore:
         """Every worker's live reservation totals (one HGETALL)."""
         try:
             raw = await self.client.hgetall(self.keys.totals)
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        except STORE_DOWN as exc:
             raise Unavailable(f"state store unavailable: {exc}") from exc
         acc: dict[str, list[int]] = {}
         for field, value in raw.items():
@@ -320,7 +319,7 @@ class SchedulerStore:
         """Live reservation entries (lapsed but not yet purged ones included)."""
         try:
             return int(await self.client.hlen(self.keys.reservations))
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        except STORE_DOWN as exc:
             raise Unavailable(f"state store unavailable: {exc}") from exc
 
     async def write_explanations(self, items: Sequence[tuple[str, str]]) -> int:
@@ -338,7 +337,7 @@ class SchedulerStore:
     async def get(self, request_id: str) -> StoredRecord | None:
         try:
             raw = await self.client.hmget(self.keys.record(request_id), ["p", "x", "o"])
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        except STORE_DOWN as exc:
             raise Unavailable(f"state store unavailable: {exc}") from exc
         head = _json(raw[0])
         if head is None:
@@ -361,7 +360,7 @@ class SchedulerStore:
             rows = await self.client.zrevrangebyscore(
                 self.keys.index, top, min_ms, start=0, num=count, withscores=True
             )
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        except STORE_DOWN as exc:
             raise Unavailable(f"state store unavailable: {exc}") from exc
         return [(_s(member), int(score)) for member, score in rows]
 
@@ -374,7 +373,7 @@ class SchedulerStore:
                 for rid in request_ids:
                     pipe.hmget(self.keys.record(rid), ["p", "o"])
                 rows = await pipe.execute()
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        except STORE_DOWN as exc:
             raise Unavailable(f"state store unavailable: {exc}") from exc
         out: list[StoredRecord | None] = []
         for row in rows:
