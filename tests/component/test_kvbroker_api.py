@@ -452,6 +452,24 @@ async def test_list_sessions_filters_and_pages(env: Env) -> None:
     assert len(of_d1.sessions) == 5
 
 
+async def test_listing_moves_past_ids_whose_sessions_are_gone(env: Env) -> None:
+    """A scan batch whose sessions were all purged between the index read and the hash
+    reads is not the end of the listing."""
+    sids = []
+    for i in range(5):
+        opened = await env.stub.OpenSession(open_request(f"gone-{i}", who=SCHED), timeout=5)
+        sids.append(opened.session.session_id)
+    sids.sort()  # listing order (ids opened in the same millisecond sort by their random part)
+    svc = env.broker.service
+    await svc.client.delete(*(svc.store.keys.session(sid) for sid in sids[:3]))
+    listed, token = await svc.list_sessions(None, "", 10, "", scan_batch=2)
+    assert ([s.session_id for s in listed], token) == (sids[3:], "")
+    first, token = await svc.list_sessions(None, "", 1, "", scan_batch=2)
+    assert [s.session_id for s in first] == [sids[3]] and token == sids[3]
+    rest, token = await svc.list_sessions(None, "", 1, token, scan_batch=2)
+    assert ([s.session_id for s in rest], token) == ([sids[4]], "")
+
+
 def _sample(name: str, **labels: str) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
 

@@ -229,7 +229,7 @@ async def test_terminal_sessions_are_purged_after_retention(
     assert (await store.sweep(T0 + 60_002)).purged == 1
     assert await store.get(s.session_id) is None
     assert await store.get_by_request(s.request_id) is None
-    assert await store.page("", 10) == []
+    assert await store.page("", 10) == ([], None)
 
 
 # -- random sequences from several clients ---------------------------------------------------

@@ -479,12 +479,18 @@ class KvBrokerService:
         return await self._resolve(session_id, request_id)
 
     async def list_sessions(
-        self, state: SessionState | None, worker_id: str, page_size: int, page_token: str
+        self,
+        state: SessionState | None,
+        worker_id: str,
+        page_size: int,
+        page_token: str,
+        scan_batch: int = 256,
     ) -> tuple[list[Session], str]:
         """A page of matching sessions in id order and the next page token ('' at the end).
 
-        Filters are applied while scanning the id index, so a selective filter over many
-        kept sessions reads more than one page of them (bounded by retention)."""
+        Filters are applied while scanning the id index, `scan_batch` ids at a time, so a
+        selective filter over many kept sessions reads more than one page of them (bounded
+        by retention)."""
         if page_size == 0:
             page_size = 100
         if not 1 <= page_size <= 1000:
@@ -496,17 +502,19 @@ class KvBrokerService:
         out: list[Session] = []
         after = page_token
         while len(out) < page_size:
-            batch = await self.store.page(after, 256)
-            if not batch:
+            batch, scanned = await self.store.page(after, scan_batch)
+            if scanned is None:
                 return out, ""
             for s in batch:
-                after = s.session_id
                 if (state is None or s.state is state) and (
                     not worker_id or worker_id in s.parties()
                 ):
                     out.append(s)
                     if len(out) == page_size:
+                        after = s.session_id
                         break
+            else:  # the whole batch looked at, purged ids included
+                after = scanned
         more = await self.store.has_more(after)
         return out, (after if more else "")
 

@@ -578,21 +578,22 @@ class SessionStore:
             raise _unavailable(exc) from exc
         return decode_flat(flat) if flat else None
 
-    async def page(self, after: str, count: int) -> list[Session]:
-        """Up to `count` kept sessions with ids strictly after `after`, in id order (a
-        session purged between the two reads is skipped)."""
+    async def page(self, after: str, count: int) -> tuple[list[Session], str | None]:
+        """The kept sessions among the next `count` ids strictly after `after`, in id order,
+        and the last id looked at (None when there are no more ids). A session purged
+        between the two reads is left out; the scan still moves past its id."""
         start = b"(" + after.encode() if after else b"-"
         try:
             ids = await self.client.zrangebylex(self.keys.ids, start, b"+", start=0, num=count)
             if not ids:
-                return []
+                return [], None
             async with self.client.pipeline(transaction=False) as pipe:
                 for sid in ids:
                     pipe.hgetall(self.keys.session(_s(sid)))
                 rows = await pipe.execute()
         except STORE_DOWN as exc:
             raise _unavailable(exc) from exc
-        return [decode_session(r) for r in rows if r]
+        return [decode_session(r) for r in rows if r], _s(ids[-1])
 
     async def has_more(self, after: str) -> bool:
         try:
