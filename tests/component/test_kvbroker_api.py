@@ -322,6 +322,29 @@ async def test_open_is_idempotent_per_request_id(env: Env) -> None:
     assert await code_of(other) == grpc.StatusCode.ALREADY_EXISTS
 
 
+async def test_a_retried_open_after_a_worker_left_returns_its_session(env: Env) -> None:
+    """The first OpenSession succeeded, then the decode worker left and its session failed.
+    A retry of the same request gets that session (created false), not NOT_FOUND."""
+    cred = await register(env.registry.stub, "d9", lease_ttl_ms=30_000, stages=(c.STAGE_DECODE,))
+    req = open_request("retry-1", dst="d9", who=SCHED)
+    first = await env.stub.OpenSession(req, timeout=5)
+    sid = first.session.session_id
+    await env.registry.stub.DeregisterWorker(
+        r.DeregisterWorkerRequest(worker_id="d9", credential=cred), timeout=5
+    )
+
+    async def failed() -> bool:
+        got = await env.stub.GetSession(k.GetSessionRequest(session_id=sid), timeout=5)
+        return bool(got.session.state == k.SESSION_STATE_FAILED)
+
+    await _eventually(failed)
+    again = await env.stub.OpenSession(req, timeout=5)
+    assert (again.created, again.session.session_id) == (False, sid)
+    assert again.session.state == k.SESSION_STATE_FAILED
+    fresh = env.stub.OpenSession(open_request("retry-2", dst="d9", who=SCHED), timeout=5)
+    assert await code_of(fresh) == grpc.StatusCode.NOT_FOUND
+
+
 async def test_a_worker_that_changes_its_kv_format_gets_a_new_verdict(env: Env) -> None:
     """A verdict follows the workers' current records: re-registered with another KV
     dtype, the same pair gets the new verdict."""

@@ -218,6 +218,22 @@ async def test_open_is_idempotent_per_request_id(store: SessionStore) -> None:
     assert (gone.status, gone.detail) == ("gone", "zz")
 
 
+async def test_a_retried_open_of_an_overdue_session_expires_it_first(store: SessionStore) -> None:
+    """A retry must not hand back a session whose deadline has passed as if it were open,
+    whether or not a sweep has got to it; and the lookup-only form opens nothing."""
+    s = await open_session(store)
+    args = OpenArgs("other-id", s.request_id, "p1", "d1", GIB, 10_000, 5_000, "{}")
+    late = await store.open(args, "", "", T0 + 10_001)
+    assert late.status == "same_expired" and late.session is not None
+    assert (late.session.state, late.session.reason) == (S.EXPIRED, "deadline_exceeded")
+    assert late.session.version == s.version + 1
+    again = await store.open(args, "", "", T0 + 10_002)
+    assert (again.status, again.session) == ("same", late.session)
+    fresh = replace(args, request_id="never-opened")
+    assert (await store.open(fresh, "", "", T0, existing_only=True)).status == "none"
+    assert await store.get_by_request("never-opened") is None
+
+
 async def test_terminal_sessions_are_purged_after_retention(
     store: SessionStore, redis_client: aioredis.Redis
 ) -> None:

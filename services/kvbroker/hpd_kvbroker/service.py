@@ -361,25 +361,25 @@ class KvBrokerService:
         if deadline > self.settings.max_deadline_ms:
             raise InvalidArgument("deadline_ms", f"at most {self.settings.max_deadline_ms}")
         actor, cred = self._authenticate(caller, None)
-        n = await self.negotiate(req.source_worker_id, req.destination_worker_id)
-        if n.negotiation.verdict is Verdict.INCOMPATIBLE:
-            raise FailedPrecondition(
-                f"KV of {req.source_worker_id!r} cannot be used by {req.destination_worker_id!r}: "
-                + "; ".join(n.negotiation.details),
-                {"kv_format": n.negotiation.reasons},
-            )
         now = self.clock.now_ms()
-        args = OpenArgs(
-            session_id=self._new_id(now),
-            request_id=req.request_id,
-            source_worker_id=req.source_worker_id,
-            destination_worker_id=req.destination_worker_id,
-            expected_bytes=req.expected_bytes,
-            deadline_ms=deadline,
-            lease_ttl_ms=self._clamp_lease(req.lease_ttl_ms, deadline),
-            negotiation_json=negotiation_json(n.negotiation),
-        )
-        res = await self.store.open(args, actor, cred, now)
+        try:
+            n = await self.negotiate(req.source_worker_id, req.destination_worker_id)
+            if n.negotiation.verdict is Verdict.INCOMPATIBLE:
+                raise FailedPrecondition(
+                    f"KV of {req.source_worker_id!r} cannot be used by "
+                    f"{req.destination_worker_id!r}: " + "; ".join(n.negotiation.details),
+                    {"kv_format": n.negotiation.reasons},
+                )
+        except (NotFound, FailedPrecondition):
+            # a retry of a request whose session exists gets that session, even once a
+            # worker has left or the pair is no longer compatible
+            args = self._open_args(req, deadline, now, "")
+            res = await self.store.open(args, actor, cred, now, existing_only=True)
+            if res.status not in ("same", "same_expired", "conflict"):
+                raise
+        else:
+            args = self._open_args(req, deadline, now, negotiation_json(n.negotiation))
+            res = await self.store.open(args, actor, cred, now)
         if res.status == "conflict":
             raise AlreadyExists(
                 f"request id {req.request_id!r} already has session {res.detail} with other "
@@ -389,9 +389,25 @@ class KvBrokerService:
             raise NotFound("worker", res.detail)
         self._raise_auth(res, actor, "")
         assert res.session is not None
-        if res.status == "created":
+        if res.status in ("created", "same_expired"):
             metrics.observe_change(res.session)
+        if res.status == "same_expired":
+            log.info(
+                "kv_session_expired", session_id=res.session.session_id, reason=res.session.reason
+            )
         return res.session, res.status == "created"
+
+    def _open_args(self, req: OpenRequest, deadline: int, now: int, negotiation: str) -> OpenArgs:
+        return OpenArgs(
+            session_id=self._new_id(now),
+            request_id=req.request_id,
+            source_worker_id=req.source_worker_id,
+            destination_worker_id=req.destination_worker_id,
+            expected_bytes=req.expected_bytes,
+            deadline_ms=deadline,
+            lease_ttl_ms=self._clamp_lease(req.lease_ttl_ms, deadline),
+            negotiation_json=negotiation,
+        )
 
     def _raise_auth(self, res: Result, actor: str, session_id: str) -> None:
         if res.status == "missing":

@@ -150,7 +150,8 @@ end
 )
 
 # ARGV 2 sid, 3 rid, 4 src, 5 dst, 6 actor ('' = scheduler), 7 credential hash,
-# 8 expected bytes, 9 deadline ms, 10 lease ttl ms, 11 negotiation JSON, 12 fingerprint.
+# 8 expected bytes, 9 deadline ms, 10 lease ttl ms, 11 negotiation JSON, 12 fingerprint,
+# 13 '1' = only look the request id up (answers 'none' rather than opening).
 _OPEN = (
     _PRELUDE
     + """
@@ -164,9 +165,13 @@ if old then
   local prior = read_session(okey)
   if prior then
     if redis.call('HGET', okey, 'fp') ~= ARGV[12] then return {'conflict', old} end
+    if not TERMINAL[prior.st] and due(prior) < now then
+      return {'same_expired', change(okey, old, prior, 'EXPIRED', 'broker', expiry_reason(prior))}
+    end
     return {'same', values(prior)}
   end
 end
+if ARGV[13] == '1' then return {'none'} end
 if not live(src) then return {'gone', src} end
 if not live(dst) then return {'gone', dst} end
 local key = SP .. sid
@@ -507,9 +512,12 @@ class SessionStore:
             return Result(status, decode_values(raw[1]) if raw[1] else None)
         return Result(status, detail=_s(raw[1]))
 
-    async def open(self, a: OpenArgs, actor: str, cred_hash: str, now_ms: int) -> Result:
-        """created | same (the request id's session) | conflict | gone (detail: worker id) |
-        denied | not_party."""
+    async def open(
+        self, a: OpenArgs, actor: str, cred_hash: str, now_ms: int, existing_only: bool = False
+    ) -> Result:
+        """created | same (the request id's session) | same_expired (it was overdue: now
+        EXPIRED) | conflict | gone (detail: worker id) | denied | not_party; with
+        `existing_only`, none instead of opening a session."""
         raw = await self._call(
             self._open,
             now_ms,
@@ -524,6 +532,7 @@ class SessionStore:
             a.lease_ttl_ms,
             a.negotiation_json,
             a.fingerprint,
+            "1" if existing_only else "",
         )
         if _s(raw[0]) == "created":  # the script stored exactly this: no need to send it back
             return Result("created", a.created(actor or "scheduler", now_ms))
