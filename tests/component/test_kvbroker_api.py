@@ -217,6 +217,30 @@ async def test_negotiate_between_registered_workers(env: Env) -> None:
     assert await code_of(missing) == grpc.StatusCode.NOT_FOUND
 
 
+async def test_workers_of_different_models_are_incompatible_whatever_their_formats(
+    env: Env,
+) -> None:
+    """A descriptor does not name its model: another model with the same shapes and the same
+    revision name has an identical format. Its KV is still meaningless here."""
+    await register(
+        env.registry.stub, "m1", lease_ttl_ms=30_000, model="mistral-7b", stages=(c.STAGE_DECODE,)
+    )
+    resp = await env.stub.Negotiate(
+        k.NegotiateRequest(source_worker_id="p1", destination_worker_id="m1"), timeout=5
+    )
+    assert resp.source_format == resp.destination_format
+    assert resp.negotiation.verdict == V.COMPATIBILITY_VERDICT_INCOMPATIBLE
+    assert list(resp.negotiation.reasons) == ["model_mismatch"]
+    assert "mistral-7b" in resp.negotiation.details[0]
+    opened = env.stub.OpenSession(open_request("cross-model", dst="m1", who=SCHED), timeout=5)
+    assert await code_of(opened) == grpc.StatusCode.FAILED_PRECONDITION
+    by_format = await env.stub.Negotiate(
+        k.NegotiateRequest(source_worker_id="p1", destination_format=resp.destination_format),
+        timeout=5,
+    )
+    assert by_format.negotiation.verdict == V.COMPATIBILITY_VERDICT_COMPATIBLE
+
+
 async def _matrix(env: Env) -> list[tuple[str, str, int]]:
     resp = await env.stub.GetCompatibilityMatrix(
         k.GetCompatibilityMatrixRequest(model_id="llama-3-8b"), timeout=5

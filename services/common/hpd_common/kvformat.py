@@ -44,6 +44,7 @@ __all__ = [
     "Negotiation",
     "Reason",
     "Verdict",
+    "across_models",
     "negotiate",
 ]
 
@@ -109,6 +110,7 @@ class Verdict(enum.StrEnum):
 class Reason(enum.StrEnum):
     """Stable reason codes carried by a :class:`Negotiation` (they are plain strings)."""
 
+    MODEL_MISMATCH = "model_mismatch"
     MODEL_REVISION_MISMATCH = "model_revision_mismatch"
     NUM_LAYERS_MISMATCH = "num_layers_mismatch"
     KV_HEADS_MISMATCH = "kv_heads_mismatch"
@@ -474,3 +476,20 @@ def negotiate(src: KvFormat, dst: KvFormat, policy: KvPolicy = DEFAULT_KV_POLICY
             details=tuple(s.detail for _, s in converting),
         )
     return _COMPATIBLE
+
+
+def across_models(n: Negotiation, src_model: str, dst_model: str) -> Negotiation:
+    """``n`` (the formats' verdict) for two workers that serve different models.
+
+    A descriptor does not name its model: two models with the same layer count, KV heads, head
+    dim and revision name (``main`` on both, say) have formats that negotiate as compatible.
+    The KV of one is still meaningless to the other, so the answer is INCOMPATIBLE, led by
+    ``model_mismatch``, followed by whatever the formats themselves could not reconcile.
+    """
+    blocking = n.verdict is Verdict.INCOMPATIBLE
+    detail = f"model_id differs: {src_model!r} vs {dst_model!r}"
+    return Negotiation(
+        Verdict.INCOMPATIBLE,
+        reasons=(Reason.MODEL_MISMATCH.value, *(n.reasons if blocking else ())),
+        details=(detail, *(n.details if blocking else ())),
+    )

@@ -38,7 +38,14 @@ from hpd_common.errors import (
     Unavailable,
 )
 from hpd_common.informer import FleetChange, FleetInformer
-from hpd_common.kvformat import KvFormat, KvFormatError, KvPolicy, Negotiation, Verdict
+from hpd_common.kvformat import (
+    KvFormat,
+    KvFormatError,
+    KvPolicy,
+    Negotiation,
+    Verdict,
+    across_models,
+)
 from hpd_common.logging import get_logger
 from hpd_common.server import ServerSettings
 from hpd_common.settings import split_csv
@@ -265,20 +272,25 @@ class KvBrokerService:
             raise NotFound("worker", worker_id)
         return rec
 
-    async def _format(self, path: str, ref: str | KvFormat) -> KvFormat:
+    async def _format(self, path: str, ref: str | KvFormat) -> tuple[KvFormat, str]:
+        """The format, and the model of the worker it is read from ('' for a descriptor)."""
         if isinstance(ref, KvFormat):
             try:
                 ref.validate()
             except KvFormatError as exc:
                 raise InvalidArgument(f"{path}_format.{exc.field}", exc.message) from exc
-            return ref
-        return (await self._worker(f"{path}_worker_id", ref)).spec.kv_format
+            return ref, ""
+        spec = (await self._worker(f"{path}_worker_id", ref)).spec
+        return spec.kv_format, spec.model_id
 
     async def negotiate(self, source: str | KvFormat, destination: str | KvFormat) -> Negotiated:
-        """The verdict for KV moving from `source` to `destination` (worker ids or formats)."""
-        src = await self._format("source", source)
-        dst = await self._format("destination", destination)
+        """The verdict for KV moving from `source` to `destination` (worker ids or formats);
+        two workers of different models are incompatible whatever their formats."""
+        src, src_model = await self._format("source", source)
+        dst, dst_model = await self._format("destination", destination)
         n = self.matrix.negotiate(src, dst)  # memoised per format pair
+        if src_model != dst_model and src_model and dst_model:
+            n = across_models(n, src_model, dst_model)
         metrics.observe_negotiation(n.verdict)
         return Negotiated(n, src, dst)
 
