@@ -21,6 +21,7 @@ from hpd_common.kvformat import (
     Negotiation,
     Reason,
     Verdict,
+    across_models,
     negotiate,
 )
 
@@ -299,6 +300,7 @@ def test_reshard_detail_names_heads_per_rank() -> None:
 
 def test_reason_codes_are_stable_strings() -> None:
     assert {r.value for r in Reason} == {
+        "model_mismatch",
         "model_revision_mismatch",
         "num_layers_mismatch",
         "kv_heads_mismatch",
@@ -312,6 +314,22 @@ def test_reason_codes_are_stable_strings() -> None:
     }
     result = negotiate(BASE, fmt(head_dim=64))
     assert type(result.reasons[0]) is str
+
+
+def test_across_models_leads_with_model_mismatch_and_keeps_only_blocking_reasons() -> None:
+    same = across_models(negotiate(BASE, BASE), "llama-3-8b", "mistral-7b")
+    assert (same.verdict, same.reasons, same.steps) == (
+        Verdict.INCOMPATIBLE,
+        ("model_mismatch",),
+        (),
+    )
+    assert same.details == ("model_id differs: 'llama-3-8b' vs 'mistral-7b'",)
+    assert type(same.reasons[0]) is str
+    convertible = across_models(negotiate(BASE, fmt(layout=HND)), "a", "b")
+    assert convertible.reasons == ("model_mismatch",) and convertible.steps == ()
+    blocked = across_models(negotiate(BASE, fmt(head_dim=64)), "a", "b")
+    assert blocked.reasons == ("model_mismatch", "head_dim_mismatch")
+    assert len(blocked.details) == 2
 
 
 # --- conversion cost ------------------------------------------------------------------------
