@@ -151,6 +151,48 @@ async def test_first_watcher_gets_live_changes_without_waiting_out_the_idle_tail
         await server.stop(0)
 
 
+@pytest.mark.skipif(external("registry") is not None, reason="writes into the registry's feed")
+async def test_an_unreadable_feed_entry_is_skipped_not_a_stall(
+    redis_server: Any, key_prefix: str
+) -> None:
+    """A feed row that does not decode (damaged, or of a kind a newer version writes) is
+    passed over, live and on replay; it used to fail every read of the feed that held it."""
+    from hetero_pd.v1 import registry_pb2_grpc as r_grpc
+    from hpd_common import redis_conn
+    from hpd_registry.keys import RegistryKeys
+
+    server = await start_registry(redis_server.url, key_prefix)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    client = redis_conn.connect(redis_server.url)
+    keys = RegistryKeys(key_prefix)
+    try:
+        stub = r_grpc.RegistryServiceStub(channel)
+        first = r.RegisterWorkerRequest(capability=capability(key_prefix + "-first"))
+        await stub.RegisterWorker(first, timeout=5)
+        live = EventReader(stub.WatchWorkers(r.WatchWorkersRequest()))
+        end = await next_event(live, T.WATCH_EVENT_TYPE_SNAPSHOT_END)
+        assert end.revision > 0
+        for fields in ({"t": "put", "id": "torn"}, {"t": "resize", "id": "future"}):
+            rev = await client.incr(keys.revision)
+            await client.xadd(keys.feed, fields, id=f"{rev}-0")
+        wid = key_prefix + "-after"
+        await stub.RegisterWorker(r.RegisterWorkerRequest(capability=capability(wid)), timeout=5)
+        put = await next_event(live, T.WATCH_EVENT_TYPE_PUT, wid)
+        replay = EventReader(stub.WatchWorkers(r.WatchWorkersRequest(from_revision=end.revision)))
+        again = await replay.read()
+        assert (again.type, again.worker_id, again.revision) == (
+            T.WATCH_EVENT_TYPE_PUT,
+            wid,
+            put.revision,
+        )
+        live.cancel()
+        replay.cancel()
+    finally:
+        await client.aclose()
+        await channel.close()
+        await server.stop(0)
+
+
 async def test_silent_worker_turns_suspect_then_expires(registry: RegistryHandle) -> None:
     wid = registry.prefix + "-quiet"
     ttl_ms = 1_200

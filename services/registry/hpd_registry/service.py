@@ -589,8 +589,10 @@ class RegistryService:
                     entries = await self.store.feed_after(last, max_batch)
                     batch = []
                     for e in entries:
-                        ev = _entry_event(e)
                         last = e.revision
+                        if e.kind == "skip":
+                            continue
+                        ev = _entry_event(e)
                         if wanted(ev):
                             batch.append(ev)
                     if batch:
@@ -658,7 +660,8 @@ class RegistryService:
                 entries = await self.store.feed_block(self._tail_client, last, block_ms)
                 if entries:
                     for e in entries:
-                        self._fan_out(_entry_event(e))
+                        if e.kind != "skip":
+                            self._fan_out(_entry_event(e))
                     last = entries[-1].revision
                     continue
                 current = await self.store.revision()

@@ -20,9 +20,12 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from hpd_common.errors import Unavailable
+from hpd_common.logging import get_logger
 from hpd_common.redis_conn import STORE_DOWN
 from hpd_registry.domain import Directive, LoadReport, WorkerRecord, WorkerSpec, WorkerState
 from hpd_registry.keys import RegistryKeys
+
+log = get_logger("registry.store")
 
 # KEYS: 1 ids, 2 lease, 3 hb, 4 lat, 5 rev, 6 feed.
 # ARGV: 1 now_ms, 2 feed max length, 3 worker key prefix, 4 directive key prefix, then per script.
@@ -273,7 +276,7 @@ class FeedEntry:
     """One change-feed entry, decoded."""
 
     revision: int
-    kind: str  # put, load, del
+    kind: str  # put, load, del; skip: unreadable (damaged, or of a newer kind), move past it
     worker_id: str
     record: WorkerRecord | None = None  # put
     load: LoadReport | None = None  # load
@@ -349,21 +352,30 @@ def decode_record(fields: Mapping[Any, Any]) -> WorkerRecord:
 
 
 def decode_feed_entry(entry_id: bytes | str, fields: Mapping[bytes, bytes]) -> FeedEntry:
+    """One feed row. A row that does not decode (a damaged entry, or a kind a newer version
+    writes) comes back as kind ``skip``: readers move past its revision. Failing the read
+    instead would stall every watcher on that row until the feed's cap trims it."""
     rev = int(_s(entry_id).split("-", 1)[0])
     f = {_s(k): v for k, v in fields.items()}
     kind = _s(f.get("t"))
     worker_id = _s(f.get("id"))
-    if kind == "put":
-        return FeedEntry(rev, kind, worker_id, record=decode_record(f))
-    if kind == "load":
-        return FeedEntry(
-            rev,
-            kind,
-            worker_id,
-            load=decode_load(f.get("load") or b""),
-            last_heartbeat_ms=int(_s(f.get("hb")) or 0),
-        )
-    return FeedEntry(rev, "del", worker_id, reason=_s(f.get("why")))
+    try:
+        if kind == "put":
+            return FeedEntry(rev, kind, worker_id, record=decode_record(f))
+        if kind == "load":
+            return FeedEntry(
+                rev,
+                kind,
+                worker_id,
+                load=decode_load(f.get("load") or b""),
+                last_heartbeat_ms=int(_s(f.get("hb")) or 0),
+            )
+        if kind == "del":
+            return FeedEntry(rev, kind, worker_id, reason=_s(f.get("why")))
+        raise ValueError(f"unknown kind {kind!r}")
+    except Exception as exc:  # any decoding failure: the row is unreadable
+        log.warning("feed_entry_unreadable", revision=rev, worker_id=worker_id, error=repr(exc))
+        return FeedEntry(rev, "skip", worker_id)
 
 
 def _unavailable(exc: Exception) -> Unavailable:
