@@ -4,6 +4,7 @@ who may do what, WatchSession and ListSessions."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -574,3 +575,40 @@ async def test_metrics_count_changes_bytes_durations_expiries_and_verdicts(env: 
         "deadline_expiries": 1,
         "convertible": 2,
     }
+
+
+async def test_hpd_sessions_and_hpd_compat_print_tables(
+    env: Env, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The operator's views: `hpd sessions` (filters, --limit, JSON) and `hpd compat MODEL`."""
+    from hpd_kvbroker import tables
+
+    for i in range(3):
+        await env.stub.OpenSession(open_request(f"cli-{i}", who=SCHED), timeout=5)
+    base = ["--kvbroker", env.broker.target]
+
+    async def hpd(*argv: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        code = await asyncio.to_thread(tables.main, [argv[0], *base, *argv[1:]])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    code, out, _ = await hpd("sessions", "--limit", "2")
+    lines = out.strip().splitlines()
+    assert code == 0 and lines[0].split()[:2] == ["SESSION", "REQUEST"]
+    assert len(lines) == 3 and all("NEGOTIATED" in line for line in lines[1:])
+    code, out, _ = await hpd("sessions", "--state", "negotiated", "-o", "json")
+    assert code == 0 and sorted(s["requestId"] for s in json.loads(out)) == [
+        "cli-0",
+        "cli-1",
+        "cli-2",
+    ]
+    code, out, _ = await hpd("sessions", "--state", "complete")
+    assert code == 0 and len(out.strip().splitlines()) == 1  # the header alone
+    for bad in (("--limit", "0"), ("--state", "bogus")):
+        code, _, err = await hpd("sessions", *bad)
+        assert code == 2 and err.startswith("hpd sessions:")
+    code, out, _ = await hpd("compat", "llama-3-8b")
+    rows = [line.split() for line in out.strip().splitlines()]
+    assert code == 0 and rows[0] == ["PREFILL", "DECODE", "VERDICT", "MS/GIB", "REASONS"]
+    assert ["p1", "d1", "CONVERTIBLE", "1", "block_size_mismatch"] in rows[1:], out

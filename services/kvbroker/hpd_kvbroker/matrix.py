@@ -45,6 +45,11 @@ def _shape(rec: WorkerRecord) -> _Shape:
     return _Shape(s.model_id, Stage.PREFILL in s.stages, Stage.DECODE in s.stages, s.kv_format)
 
 
+MEMO_MAX = 4096
+"""Format pairs whose verdict is remembered. A fleet has a handful; explicit descriptors sent
+to Negotiate can be anything, so past this many the memo starts over."""
+
+
 class CompatibilityMatrix:
     """Per model: every (prefill id, decode id) pair and its negotiation."""
 
@@ -61,6 +66,8 @@ class CompatibilityMatrix:
         got = self._memo.get(key)
         if got is None:
             got = negotiate(src, dst, self.policy)
+            if len(self._memo) >= MEMO_MAX:  # Negotiate takes any descriptors: stay bounded
+                self._memo.clear()
             self._memo[key] = got
         return got
 

@@ -89,6 +89,9 @@ def compat_rows(resp: k.GetCompatibilityMatrixResponse) -> list[list[str]]:
 
 
 def _list_sessions(stub: k_grpc.KvBrokerServiceStub, args: argparse.Namespace) -> int:
+    if args.limit < 1:
+        print(f"hpd sessions: --limit must be at least 1, got {args.limit}", file=sys.stderr)
+        return 2
     state: int = k.SESSION_STATE_UNSPECIFIED
     if args.state:
         try:
@@ -103,7 +106,7 @@ def _list_sessions(stub: k_grpc.KvBrokerServiceStub, args: argparse.Namespace) -
             k.ListSessionsRequest(
                 state=state,  # type: ignore[arg-type]
                 worker_id=args.worker,
-                page_size=1000,
+                page_size=min(1000, args.limit - len(sessions)),
                 page_token=token,
             ),
             timeout=args.timeout,

@@ -118,3 +118,16 @@ def test_negotiations_are_memoised_by_format_pair() -> None:
     m = CompatibilityMatrix(DEFAULT_KV_POLICY)
     a = m.negotiate(KV, replace(KV, block_size_tokens=32))
     assert m.negotiate(KV, replace(KV, block_size_tokens=32)) is a
+
+
+def test_the_verdict_memo_stays_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negotiate accepts any descriptors; remembering every pair would grow without end."""
+    from hpd_kvbroker import matrix
+
+    monkeypatch.setattr(matrix, "MEMO_MAX", 3)
+    m = CompatibilityMatrix(DEFAULT_KV_POLICY)
+    for i in range(10):
+        n = m.negotiate(KV, replace(KV, model_revision=f"rev-{i}"))
+        assert n.verdict is Verdict.INCOMPATIBLE
+        assert len(m._memo) <= 3
+    assert m.negotiate(KV, KV).verdict is Verdict.COMPATIBLE
