@@ -426,6 +426,39 @@ async def test_saturated_tier_is_resource_exhausted_with_a_retry_delay(
     assert int(trailers["retry-after-ms"]) > 0
 
 
+@pytest.mark.skipif(external("scheduler") is not None, reason="starts its own scheduler")
+async def test_health_turns_serving_when_the_view_syncs_not_at_the_next_probe(
+    redis_server: EmbeddedRedis, registry: RegistryHandle
+) -> None:
+    """The readiness probe runs every few seconds; the first run comes before the fleet view
+    has synced. The sync itself re-checks readiness, so SERVING does not wait for the
+    next probe (5 s here)."""
+    from hpd_scheduler.__main__ import build_server
+    from hpd_scheduler.service import SchedulerSettings
+
+    settings = SchedulerSettings(
+        port=0,
+        redis_url=redis_server.url,
+        key_prefix=registry.prefix,
+        registry_target=registry.target,
+        directive_interval_ms=0,
+    )
+    server = build_server(settings, redis_conn.connect(redis_server.url))
+    server._probe_interval_s = 5.0
+    t0 = time.monotonic()
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    try:
+        stub = health_pb2_grpc.HealthStub(channel)
+        request = health_pb2.HealthCheckRequest(service="hetero_pd.v1.SchedulerService")
+        while (await stub.Check(request)).status != health_pb2.HealthCheckResponse.SERVING:
+            assert time.monotonic() - t0 < 2.5, "SERVING waited for the next readiness probe"
+            await asyncio.sleep(0.02)
+    finally:
+        await channel.close()
+        await stop_server(server)
+
+
 async def test_health_serves_once_the_view_is_fresh(scheduler: SchedulerHandle) -> None:
     stub = health_pb2_grpc.HealthStub(scheduler.channel)
     deadline = time.monotonic() + 5

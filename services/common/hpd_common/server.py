@@ -74,6 +74,9 @@ class Component(Protocol):
 
     def ready(self) -> bool: ...
 
+    def watch_readiness(self, notify: Callable[[], None]) -> None:
+        """Calls `notify` whenever `ready()` may have changed (beside the periodic probe)."""
+
 
 class ServiceComponent:
     """A service's use-case object as a Component: start, stop, always ready. Each service
@@ -96,6 +99,9 @@ class ServiceComponent:
 
     def ready(self) -> bool:
         return True
+
+    def watch_readiness(self, notify: Callable[[], None]) -> None:
+        """Always ready: nothing to tell."""
 
 
 def server_credentials(settings: ServerSettings) -> grpc.ServerCredentials | None:
@@ -180,6 +186,7 @@ class GrpcServer:
         self._probe_interval_s = probe_interval_s
         self._ready_task: asyncio.Task[None] | None = None
         self._serving: bool | None = None
+        self._recheck = asyncio.Event()  # the component's readiness may have changed
 
     async def start(self) -> int:
         """Binds, starts the component and the server; returns the bound port."""
@@ -205,6 +212,7 @@ class GrpcServer:
         if not self.port:
             raise OSError(f"cannot listen on {address}")
         await self._set_serving(False)
+        self.component.watch_readiness(self._recheck.set)
         await self.component.start()
         await server.start()
         self._server = server
@@ -239,10 +247,13 @@ class GrpcServer:
             probe = RedisHealthProbe(self.redis, self.name, changed, self._probe_interval_s)
             self._probe = probe
         while True:
+            self._recheck.clear()
             if probe is not None:
                 await probe.check_once()
             await self._set_serving(redis_up and self.component.ready())
-            await asyncio.sleep(self._probe_interval_s)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._probe_interval_s):
+                    await self._recheck.wait()
 
     async def stop(self, grace_s: float | None = None) -> None:
         """NOT_SERVING first (so balancers move away), then drain RPCs, then stop the component."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -91,3 +92,7 @@ class SchedulerComponent(ServiceComponent):
 
     def ready(self) -> bool:
         return bool(self.service.ready())
+
+    def watch_readiness(self, notify: Callable[[], None]) -> None:
+        """The fleet view's (re)syncs: SERVING follows at once, not at the next probe."""
+        self.service.on_view_synced = notify

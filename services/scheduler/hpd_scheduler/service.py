@@ -40,7 +40,7 @@ import os
 import random
 import socket
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -367,6 +367,8 @@ class SchedulerService:
             max_backoff_s=settings.informer_max_backoff_ms / 1000,
         )
         self.informer.on_change = self._on_change
+        self.on_view_synced: Callable[[], None] | None = None
+        """Called when the fleet view (re)syncs (the server re-checks readiness)."""
         tiers_text = ""
         if settings.tiers_file:
             try:
@@ -442,6 +444,8 @@ class SchedulerService:
 
     def _on_change(self, change: FleetChange) -> None:
         self._changed.set()
+        if change.kind == "resync" and self.on_view_synced is not None:
+            self.on_view_synced()
 
     def rebuild(self) -> Fleet:
         """A new snapshot from the informer's view (views cached per record revision and
