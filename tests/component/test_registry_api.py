@@ -15,7 +15,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hetero_pd.v1 import common_pb2 as c
 from hetero_pd.v1 import registry_pb2 as r
-from tests.conftest import RegistryHandle
+from hpd_common.aio import cancel_and_wait
+from tests.conftest import RegistryHandle, external
 from tests.support.fleet import capability, load
 
 pytestmark = pytest.mark.integration
@@ -270,6 +271,44 @@ async def test_stream_heartbeats_ack_then_directive(registry: RegistryHandle) ->
             break
         await asyncio.sleep(0.05)
     assert got.load.queue_depth == 9
+    await outbox.put(None)
+    call.cancel()
+
+
+@pytest.mark.skipif(external("registry") is not None, reason="restarts the registry's listener")
+async def test_a_directive_sent_while_the_listener_resubscribes_still_arrives(
+    registry: RegistryHandle,
+) -> None:
+    """The registry hears of new directives by pub/sub. One published while its listener
+    is not subscribed (after a Redis error) is not heard; the stream must still deliver it
+    without waiting for the worker's next report to mention it."""
+    wid = registry.prefix + "-gap"
+    reg = await register(registry, wid)
+    outbox: asyncio.Queue[r.StreamHeartbeatsRequest | None] = asyncio.Queue()
+    await outbox.put(r.StreamHeartbeatsRequest(worker_id=wid, credential=reg.credential))
+
+    async def requests() -> Any:
+        while (m := await outbox.get()) is not None:
+            yield m
+
+    call = registry.stub.StreamHeartbeats(requests())
+    assert (await asyncio.wait_for(call.read(), 5)).WhichOneof("event") == "ack"
+    assert registry.server is not None
+    svc = registry.server.component.service
+    (listener,) = [t for t in svc._tasks if t.get_name() == "registry-directives"]
+    await cancel_and_wait([listener])
+    await registry.stub.SendDirective(
+        r.SendDirectiveRequest(
+            worker_id=wid, directive=c.Directive(kind=c.DIRECTIVE_KIND_DRAIN, reason="gap")
+        ),
+        timeout=5,
+    )
+    svc._tasks.append(asyncio.create_task(svc._directive_listener()))
+    while True:  # no further report is sent: only the listener's resubscription can tell
+        msg = await asyncio.wait_for(call.read(), 3)
+        if msg.WhichOneof("event") == "directive":
+            break
+    assert (msg.directive.kind, msg.directive.reason) == (c.DIRECTIVE_KIND_DRAIN, "gap")
     await outbox.put(None)
     call.cancel()
 

@@ -704,6 +704,10 @@ class RegistryService:
             pubsub = self.client.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(channel)
+                # a directive published while this listener was not subscribed (start, or
+                # after an error) was not heard: every open stream looks for its own now
+                for q in list(self._streams.values()):
+                    q.put_nowait(_WAKE)
                 while True:
                     msg = await pubsub.get_message(timeout=1.0)
                     if msg is None:
