@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hetero_pd.v1 import common_pb2 as c
 from hetero_pd.v1 import registry_pb2 as r
 from hpd_common.aio import cancel_and_wait
+from hpd_registry.api import RegistryComponent
 from tests.conftest import RegistryHandle, external
 from tests.support.fleet import capability, load
 
@@ -294,7 +295,9 @@ async def test_a_directive_sent_while_the_listener_resubscribes_still_arrives(
     call = registry.stub.StreamHeartbeats(requests())
     assert (await asyncio.wait_for(call.read(), 5)).WhichOneof("event") == "ack"
     assert registry.server is not None
-    svc = registry.server.component.service
+    component = registry.server.component
+    assert isinstance(component, RegistryComponent)
+    svc = component.service
     (listener,) = [t for t in svc._tasks if t.get_name() == "registry-directives"]
     await cancel_and_wait([listener])
     await registry.stub.SendDirective(

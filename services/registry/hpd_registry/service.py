@@ -706,8 +706,8 @@ class RegistryService:
                 await pubsub.subscribe(channel)
                 # a directive published while this listener was not subscribed (start, or
                 # after an error) was not heard: every open stream looks for its own now
-                for q in list(self._streams.values()):
-                    q.put_nowait(_WAKE)
+                for stream in list(self._streams.values()):
+                    stream.put_nowait(_WAKE)
                 while True:
                     msg = await pubsub.get_message(timeout=1.0)
                     if msg is None:
