@@ -193,6 +193,46 @@ async def test_an_unreadable_feed_entry_is_skipped_not_a_stall(
         await server.stop(0)
 
 
+@pytest.mark.skipif(external("registry") is not None, reason="stops its own registry")
+async def test_stopping_ends_open_streams_instead_of_waiting_out_the_grace(
+    redis_server: Any, key_prefix: str
+) -> None:
+    """Heartbeat and watch streams never end by themselves; a stopping registry ends them
+    (their clients reconnect elsewhere) rather than holding shutdown for the whole grace."""
+    from hetero_pd.v1 import registry_pb2_grpc as r_grpc
+
+    server = await start_registry(redis_server.url, key_prefix)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    try:
+        stub = r_grpc.RegistryServiceStub(channel)
+        wid = key_prefix + "-streaming"
+        reg = await stub.RegisterWorker(
+            r.RegisterWorkerRequest(capability=capability(wid)), timeout=5
+        )
+        outbox: asyncio.Queue[r.StreamHeartbeatsRequest] = asyncio.Queue()
+        await outbox.put(r.StreamHeartbeatsRequest(worker_id=wid, credential=reg.credential))
+
+        async def requests() -> Any:
+            while True:
+                yield await outbox.get()
+
+        beats = stub.StreamHeartbeats(requests())
+        assert (await asyncio.wait_for(beats.read(), 5)).WhichOneof("event") == "ack"
+        watch = EventReader(stub.WatchWorkers(r.WatchWorkersRequest()))
+        await next_event(watch, T.WATCH_EVENT_TYPE_SNAPSHOT_END)
+        t0 = time.monotonic()
+        await server.stop(10)
+        took = time.monotonic() - t0
+        assert took < 5, f"stopping took {took:.1f} s of its 10 s grace"
+        for call in (beats, watch.call):
+            while await asyncio.wait_for(call.read(), 5) is not grpc.aio.EOF:
+                pass
+        assert await watch.call.code() == grpc.StatusCode.OK
+    finally:
+        await channel.close()
+        await server.stop(0)
+
+
 async def test_silent_worker_turns_suspect_then_expires(registry: RegistryHandle) -> None:
     wid = registry.prefix + "-quiet"
     ttl_ms = 1_200

@@ -220,12 +220,15 @@ async def test_redis_refusing_writes_answers_unavailable_and_the_sweepers_carry_
                 k.ReportProgressRequest(session_id=sid, caller=caller("p1", p1), bytes_done=7),
                 timeout=5,
             )
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
         await asyncio.sleep(0.6)  # both are overdue now; every sweep meanwhile was refused
         await admin.config_set("maxmemory", 0)
 
         async def expired() -> bool:
             got = await broker.stub.GetSession(k.GetSessionRequest(session_id=sid), timeout=5)
+            assert got.session.state in (k.SESSION_STATE_NEGOTIATED, k.SESSION_STATE_EXPIRED), (
+                got.session
+            )
             return bool(got.session.state == k.SESSION_STATE_EXPIRED)
 
         async def silent_gone() -> bool:

@@ -77,6 +77,9 @@ class Component(Protocol):
     def watch_readiness(self, notify: Callable[[], None]) -> None:
         """Calls `notify` whenever `ready()` may have changed (beside the periodic probe)."""
 
+    def drain(self) -> None:
+        """Ends the long-lived streams it serves (the server has stopped taking RPCs)."""
+
 
 class ServiceComponent:
     """A service's use-case object as a Component: start, stop, always ready. Each service
@@ -102,6 +105,9 @@ class ServiceComponent:
 
     def watch_readiness(self, notify: Callable[[], None]) -> None:
         """Always ready: nothing to tell."""
+
+    def drain(self) -> None:
+        """No stream that outlives its work: nothing to end."""
 
 
 def server_credentials(settings: ServerSettings) -> grpc.ServerCredentials | None:
@@ -264,9 +270,12 @@ class GrpcServer:
             async with asyncio.timeout(2):
                 await self.health.enter_graceful_shutdown()
         if self._server is not None:
+            stopping = asyncio.ensure_future(self._server.stop(grace))
+            await asyncio.sleep(0)  # new RPCs are refused from here on
+            self.component.drain()  # streams that never end by themselves end now
             try:  # bounded: a connection stuck mid-handshake must not hold shutdown forever
                 async with asyncio.timeout(grace + 5):
-                    await self._server.stop(grace)
+                    await stopping
             except TimeoutError:
                 log.warning("server_stop_timed_out", service=self.name)
         try:

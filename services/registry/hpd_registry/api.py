@@ -206,3 +206,6 @@ class RegistryComponent(ServiceComponent):
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         r_grpc.add_RegistryServiceServicer_to_server(RegistryApi(self.service), server)
+
+    def drain(self) -> None:
+        self.service.drain()

@@ -220,6 +220,16 @@ class RegistryService:
             **kwargs,
         )
 
+    def drain(self) -> None:
+        """Ends every open heartbeat and watch stream (the server is stopping): their clients
+        reconnect to another replica at once, and the shutdown grace is not spent waiting
+        for streams that never end by themselves."""
+        for q in list(self._streams.values()):
+            q.put_nowait(_END)
+        for sub in list(self._subscribers):
+            with contextlib.suppress(asyncio.QueueFull):  # a full queue overflows: ends too
+                sub.queue.put_nowait(_END)
+
     async def stop(self) -> None:
         # bounded: a task stuck on a dead connection must not block shutdown
         await cancel_and_wait(self._tasks, timeout_s=3)
@@ -606,6 +616,8 @@ class RegistryService:
                         items.append(sub.queue.get_nowait())
                     batch = []
                     for item in items:
+                        if item is _END:
+                            return
                         if item is _OVERFLOW:
                             sub.overflowed = False
                             batch = [
