@@ -6,9 +6,9 @@ import pytest
 import redis.asyncio as aioredis
 from hypothesis import given
 from hypothesis import strategies as st
-from redis.exceptions import DataError
+from redis.exceptions import DataError, OutOfMemoryError, ReadOnlyError, ResponseError
 
-from hpd_common.redis_conn import connect, with_c_packer
+from hpd_common.redis_conn import STORE_DOWN, connect, with_c_packer
 
 PLAIN = aioredis.Connection()
 packed = connect("redis://127.0.0.1:1/0").connection_pool.make_connection()
@@ -69,3 +69,36 @@ def test_every_connection_kind_gets_the_packer_once() -> None:
         cls = client.connection_pool.connection_class
         assert issubclass(cls, kind) and cls.pack_command is not kind.pack_command
         assert with_c_packer(client).connection_pool.connection_class is cls  # idempotent
+
+
+@pytest.mark.parametrize(
+    ("message", "kind"),
+    [
+        (
+            "Error running script (call to f_0): @user_script:72: @user_script: 72: "
+            "-OOM command not allowed when used memory > 'maxmemory'.",
+            OutOfMemoryError,
+        ),
+        (
+            "Error running script (call to f_0): @user_script:3: @user_script: 3: "
+            "-READONLY You can't write against a read only replica.",
+            ReadOnlyError,
+        ),
+        ("Error running script (call to f_0): @user_script:9: attempt to index nil", None),
+    ],
+)
+async def test_a_write_refused_inside_a_script_is_that_refusal(
+    message: str, kind: type[Exception] | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis wraps a write refused inside a script in a script error; it must read as the
+    refusal (a store then answers UNAVAILABLE), while a real script error stays one."""
+
+    async def refused(self: object, *args: object, **kwargs: object) -> object:
+        raise ResponseError(message)
+
+    monkeypatch.setattr(aioredis.Connection, "read_response", refused)
+    conn = connect("redis://127.0.0.1:1/0").connection_pool.make_connection()
+    with pytest.raises(ResponseError) as err:
+        await conn.read_response()
+    assert type(err.value) is (kind or ResponseError)
+    assert isinstance(err.value, STORE_DOWN) == (kind is not None)

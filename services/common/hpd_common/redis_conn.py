@@ -17,7 +17,14 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import DataError, MasterDownError, OutOfMemoryError, ReadOnlyError, RedisError
+from redis.exceptions import (
+    DataError,
+    MasterDownError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisError,
+    ResponseError,
+)
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from hpd_common import metrics
@@ -59,17 +66,48 @@ class _CPackedCommands:
             raise DataError(str(exc)) from exc
 
 
+_REFUSALS = (
+    ("-OOM ", OutOfMemoryError),
+    ("-READONLY ", ReadOnlyError),
+    ("-MASTERDOWN ", MasterDownError),
+)
+
+
+class _ScriptRefusals:
+    """Raises a script's refused write as the refusal it is.
+
+    A script without flags starts even when Redis is out of memory (or a read-only replica);
+    its first write then fails, and Redis wraps that reply in a script error ("Error running
+    script ...: -OOM command not allowed ..."), which redis-py raises as a plain
+    ResponseError: a bug, to every caller. Whether the refusal comes before the script or
+    from inside it depends on Redis's state at that moment, so the two must read the same.
+    """
+
+    async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().read_response(*args, **kwargs)  # type: ignore[misc]
+        except ResponseError as exc:
+            if type(exc) is ResponseError:
+                message = str(exc)
+                for marker, kind in _REFUSALS:
+                    if marker in message:
+                        raise kind(message) from None
+            raise
+
+
 _PACKED: dict[type, type] = {}
 
 
 def with_c_packer(client: aioredis.Redis) -> aioredis.Redis:
-    """`client`, its pool now making connections that pack commands in C."""
+    """`client`, its pool now making connections that pack commands in C (and raise a
+    script's refused write as that refusal: `_ScriptRefusals`)."""
     pool = client.connection_pool
     base = pool.connection_class
     if not issubclass(base, _CPackedCommands):
         cls = _PACKED.get(base)
         if cls is None:
-            cls = _PACKED[base] = type(f"CPacked{base.__name__}", (_CPackedCommands, base), {})
+            bases = (_CPackedCommands, _ScriptRefusals, base)
+            cls = _PACKED[base] = type(f"CPacked{base.__name__}", bases, {})
         pool.connection_class = cls
     return client
 
