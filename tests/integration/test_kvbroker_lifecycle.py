@@ -247,3 +247,37 @@ async def test_redis_refusing_writes_answers_unavailable_and_the_sweepers_carry_
         await reg_channel.close()
         await stop_server(registry)
         redis.stop()
+
+
+async def test_a_stopping_broker_ends_watch_streams_with_unavailable(tmp_path: Path) -> None:
+    """A WatchSession lasts as long as its transfer; a stopping broker ends it with
+    UNAVAILABLE and the version to resume from, instead of holding shutdown for the grace."""
+    redis = EmbeddedRedis(tmp_path / "redis", persist=False).start()
+    registry = await start_registry(redis.url, "hpd")
+    reg_channel = grpc.aio.insecure_channel(f"127.0.0.1:{registry.port}")
+    broker = await start_broker(redis.url, "hpd")
+    try:
+        reg_stub = r_grpc.RegistryServiceStub(reg_channel)
+        p1 = await register(reg_stub, "p1", lease_ttl_ms=60_000)
+        await register(reg_stub, "d1", lease_ttl_ms=60_000, stages=(c.STAGE_DECODE,))
+        opened = await broker.stub.OpenSession(
+            open_request("req-1", who=caller("p1", p1), deadline_ms=60_000, lease_ttl_ms=60_000),
+            timeout=5,
+        )
+        watch = broker.stub.WatchSession(
+            k.WatchSessionRequest(session_id=opened.session.session_id)
+        )
+        assert (await asyncio.wait_for(watch.read(), 5)).session.version == 1
+        t0 = asyncio.get_running_loop().time()
+        await broker.server.stop(10)
+        took = asyncio.get_running_loop().time() - t0
+        assert took < 5, f"stopping took {took:.1f} s of its 10 s grace"
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await asyncio.wait_for(watch.read(), 5)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "from version 1" in (err.value.details() or "")
+    finally:
+        await broker.close()
+        await reg_channel.close()
+        await stop_server(registry)
+        redis.stop()

@@ -141,3 +141,6 @@ class KvBrokerComponent(ServiceComponent):
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         k_grpc.add_KvBrokerServiceServicer_to_server(KvBrokerApi(self.service), server)
+
+    def drain(self) -> None:
+        self.service.drain()

@@ -228,7 +228,7 @@ class KvBrokerService:
             self.informer = FleetInformer(
                 settings.registry_target, on_change=self._on_fleet_change, clock=clock
             )
-        self._watchers: dict[str, set[asyncio.Queue[Session]]] = {}
+        self._watchers: dict[str, set[asyncio.Queue[Session | None]]] = {}  # None: end
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[list[Session]]] = set()
         self._tail_client: aioredis.Redis | None = None
@@ -251,6 +251,14 @@ class KvBrokerService:
             self._tasks.append(asyncio.create_task(self._sweeper(), name="kvbroker-sweeper"))
         if self.informer is not None:
             await self.informer.start()
+
+    def drain(self) -> None:
+        """Ends every WatchSession stream with UNAVAILABLE (the server is stopping): the
+        client resumes on another replica from the version it has, and shutdown does not
+        wait on streams that last as long as their transfers."""
+        for queues in list(self._watchers.values()):
+            for q in queues:
+                q.put_nowait(None)
 
     async def stop(self) -> None:
         if self.informer is not None:
@@ -558,7 +566,7 @@ class KvBrokerService:
         """
         if session_id:
             check_id("session_id", session_id)
-        queue: asyncio.Queue[Session] = asyncio.Queue()
+        queue: asyncio.Queue[Session | None] = asyncio.Queue()
         poll_s = self.settings.watch_poll_ms / 1000
         key = session_id
         if key:
@@ -578,7 +586,13 @@ class KvBrokerService:
                     return
                 try:
                     async with asyncio.timeout(poll_s):
-                        s = await queue.get()
+                        got = await queue.get()
+                    if got is None:
+                        raise Unavailable(
+                            f"kv broker stopping: watch again from version {last} "
+                            "(on another replica)"
+                        )
+                    s = got
                 except TimeoutError:
                     fresh = await self.store.get(key)
                     if fresh is None:
@@ -591,7 +605,9 @@ class KvBrokerService:
                 if not subs:
                     del self._watchers[key]
 
-    async def _subscribe(self, key: str, queue: asyncio.Queue[Session], wait_s: float) -> None:
+    async def _subscribe(
+        self, key: str, queue: asyncio.Queue[Session | None], wait_s: float
+    ) -> None:
         """Registers a watcher and waits (up to wait_s) until the feed reader has its
         position, so that the session read which follows cannot miss a change."""
         self._watchers.setdefault(key, set()).add(queue)

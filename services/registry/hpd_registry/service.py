@@ -221,14 +221,15 @@ class RegistryService:
         )
 
     def drain(self) -> None:
-        """Ends every open heartbeat and watch stream (the server is stopping): their clients
-        reconnect to another replica at once, and the shutdown grace is not spent waiting
-        for streams that never end by themselves."""
+        """Ends every open heartbeat and watch stream with UNAVAILABLE (the server is
+        stopping): their clients reconnect to another replica at once, and the shutdown
+        grace is not spent waiting for streams that never end by themselves."""
+        stopping = Unavailable("registry stopping: reconnect (to another replica)")
         for q in list(self._streams.values()):
-            q.put_nowait(_END)
+            q.put_nowait(stopping)
         for sub in list(self._subscribers):
             with contextlib.suppress(asyncio.QueueFull):  # a full queue overflows: ends too
-                sub.queue.put_nowait(_END)
+                sub.queue.put_nowait(stopping)
 
     async def stop(self) -> None:
         # bounded: a task stuck on a dead connection must not block shutdown
@@ -616,8 +617,8 @@ class RegistryService:
                         items.append(sub.queue.get_nowait())
                     batch = []
                     for item in items:
-                        if item is _END:
-                            return
+                        if isinstance(item, Unavailable):
+                            raise item
                         if item is _OVERFLOW:
                             sub.overflowed = False
                             batch = [
