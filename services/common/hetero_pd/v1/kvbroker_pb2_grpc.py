@@ -115,6 +115,8 @@ class KvBrokerServiceServicer(object):
     def Negotiate(self, request, context):
         """Can KV produced by the source be consumed by the destination? Either side is a
         registered worker id or an explicit KV format. NOT_FOUND for an unknown worker id.
+        Two workers of different models are INCOMPATIBLE ("model_mismatch") whatever their
+        formats: a format does not name its model.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -130,8 +132,9 @@ class KvBrokerServiceServicer(object):
 
     def OpenSession(self, request, context):
         """Opens a transfer session in state NEGOTIATED. Idempotent per request id: a retry
-        returns the same session (created = false). NOT_FOUND when a worker is not live;
-        FAILED_PRECONDITION when the pair is INCOMPATIBLE (the reasons are in the message);
+        returns the same session (created = false), also once a worker has left or the pair
+        stopped being compatible, and EXPIRED if it was overdue. NOT_FOUND when a worker is
+        not live; FAILED_PRECONDITION when the pair is INCOMPATIBLE (the reasons are in the message);
         ALREADY_EXISTS when the request id names a session with other workers or size;
         PERMISSION_DENIED for a wrong credential or a worker that is not a party.
         """
@@ -175,7 +178,8 @@ class KvBrokerServiceServicer(object):
 
     def WatchSession(self, request, context):
         """Server stream: the session's current state first, then every change, ending after a
-        terminal state (COMPLETE, FAILED, EXPIRED, ABORTED). NOT_FOUND.
+        terminal state (COMPLETE, FAILED, EXPIRED, ABORTED). NOT_FOUND. A broker that stops
+        ends the stream with UNAVAILABLE: watch again (from_version = the last version seen).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -130,7 +130,8 @@ class RegistryServiceServicer(object):
 
     def StreamHeartbeats(self, request_iterator, context):
         """The long-lived form of Heartbeat: load reports in, acknowledgements and
-        directives out. The first message must carry worker_id and credential.
+        directives out. The first message must carry worker_id and credential. A registry
+        that stops ends the stream with UNAVAILABLE: open it again (on another replica).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -189,6 +190,7 @@ class RegistryServiceServicer(object):
     def WatchWorkers(self, request, context):
         """Server stream of the fleet: a snapshot (unless resuming), then every change.
         Resuming from a revision older than the feed keeps sends RESYNC, then a snapshot.
+        A registry that stops ends the stream with UNAVAILABLE: resume from the last revision.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
