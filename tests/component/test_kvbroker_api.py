@@ -549,7 +549,7 @@ async def test_metrics_count_changes_bytes_durations_expiries_and_verdicts(env: 
     )
     await env.stub.CompleteSession(k.CompleteSessionRequest(session_id=sid, caller=d1), timeout=5)
     late = await env.stub.OpenSession(
-        open_request("metrics-2", who=p1, deadline_ms=300, lease_ttl_ms=300), timeout=5
+        open_request("metrics-2", who=p1, deadline_ms=1_000, lease_ttl_ms=1_000), timeout=5
     )
     await env.stub.ReportProgress(
         k.ReportProgressRequest(session_id=late.session.session_id, caller=p1, bytes_done=GIB // 4),

@@ -236,6 +236,48 @@ async def test_stopping_ends_open_streams_instead_of_waiting_out_the_grace(
         await server.stop(0)
 
 
+def test_a_full_watch_queue_still_ends_when_the_registry_stops() -> None:
+    """A watcher far behind (its queue full) gets the stop, not a RESYNC and a snapshot."""
+    from hpd_common.errors import Unavailable
+    from hpd_registry.service import _Subscriber
+
+    sub = _Subscriber(maxsize=2)
+    sub.offer("event-1")
+    sub.offer("event-2")
+    stop = Unavailable("registry stopping")
+    sub.end(stop)
+    sub.offer("event-3")  # a bookmark after the stop: ignored, no overflow
+    assert sub.queue.get_nowait() is stop and sub.queue.empty() and not sub.overflowed
+
+
+@pytest.mark.skipif(external("registry") is not None, reason="drains its own registry")
+async def test_streams_opened_while_draining_end_at_once(registry: RegistryHandle) -> None:
+    """A stream that arrives after the registry began stopping (a worker reconnecting from
+    another stopping replica) ends at once too, instead of holding the grace."""
+    from hpd_registry.api import RegistryComponent
+
+    assert registry.server is not None
+    component = registry.server.component
+    assert isinstance(component, RegistryComponent)
+    wid = registry.prefix + "-late"
+    reg = await registry.stub.RegisterWorker(
+        r.RegisterWorkerRequest(capability=capability(wid)), timeout=5
+    )
+    component.drain()
+
+    async def one() -> Any:
+        yield r.StreamHeartbeatsRequest(worker_id=wid, credential=reg.credential)
+        await asyncio.Event().wait()
+
+    beats = registry.stub.StreamHeartbeats(one())
+    watch = registry.stub.WatchWorkers(r.WatchWorkersRequest())
+    for call in (beats, watch):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            while await asyncio.wait_for(call.read(), 5) is not grpc.aio.EOF:
+                pass
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
 async def test_silent_worker_turns_suspect_then_expires(registry: RegistryHandle) -> None:
     wid = registry.prefix + "-quiet"
     ttl_ms = 1_200

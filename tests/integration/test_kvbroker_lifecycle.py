@@ -17,6 +17,7 @@ from hetero_pd.v1 import registry_pb2 as r
 from hetero_pd.v1 import registry_pb2_grpc as r_grpc
 from hpd_common import redis_conn
 from hpd_common.embedded_redis import EmbeddedRedis
+from hpd_common.errors import Unavailable
 from hpd_kvbroker.api import SERVICE_NAME
 from tests.conftest import RegistryHandle, start_registry, stop_server
 from tests.unit.kvbroker.harness import (
@@ -209,19 +210,21 @@ async def test_redis_refusing_writes_answers_unavailable_and_the_sweepers_carry_
         await register(reg_stub, "d1", lease_ttl_ms=60_000, stages=(c.STAGE_DECODE,))
         await register(reg_stub, "silent", lease_ttl_ms=300)
         opened = await broker.stub.OpenSession(
-            open_request("req-1", who=caller("p1", p1), deadline_ms=300, lease_ttl_ms=300),
+            open_request("req-1", who=caller("p1", p1), deadline_ms=1_000, lease_ttl_ms=1_000),
             timeout=5,
         )
         sid = opened.session.session_id
 
-        await admin.config_set("maxmemory", 1)
+        await admin.config_set("maxmemory", 1)  # before the deadline: no sweep expired it yet
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await broker.stub.ReportProgress(
                 k.ReportProgressRequest(session_id=sid, caller=caller("p1", p1), bytes_done=7),
                 timeout=5,
             )
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
-        await asyncio.sleep(0.6)  # both are overdue now; every sweep meanwhile was refused
+        await asyncio.sleep(1.2)  # both are overdue now; every sweep meanwhile was refused
+        still = await broker.stub.GetSession(k.GetSessionRequest(session_id=sid), timeout=5)
+        assert still.session.state == k.SESSION_STATE_NEGOTIATED  # not expired under OOM
         await admin.config_set("maxmemory", 0)
 
         async def expired() -> bool:
@@ -276,6 +279,12 @@ async def test_a_stopping_broker_ends_watch_streams_with_unavailable(tmp_path: P
             await asyncio.wait_for(watch.read(), 5)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "from version 1" in (err.value.details() or "")
+        # a watch that subscribes after the stop began ends too, after the current state
+        broker.service.drain()
+        late = broker.service.watch(opened.session.session_id, "", 0)
+        assert (await anext(late)).version == 1
+        with pytest.raises(Unavailable):
+            await anext(late)
     finally:
         await broker.close()
         await reg_channel.close()

@@ -37,7 +37,7 @@ STORE_DOWN: tuple[type[Exception], ...] = (
     RedisConnectionError,  # unreachable, refused, still loading its data, or no credentials
     RedisTimeoutError,
     OSError,
-    ReadOnlyError,  # a replica after a failover, until the client reaches the new primary
+    ReadOnlyError,  # a replica (after a failover): writes refused until pointed at a primary
     OutOfMemoryError,  # maxmemory reached: writes refused until memory is freed
     MasterDownError,  # a replica that lost its primary
 )

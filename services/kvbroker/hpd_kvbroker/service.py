@@ -229,6 +229,7 @@ class KvBrokerService:
                 settings.registry_target, on_change=self._on_fleet_change, clock=clock
             )
         self._watchers: dict[str, set[asyncio.Queue[Session | None]]] = {}  # None: end
+        self._draining = False  # the server is stopping: watches end (`drain`)
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[list[Session]]] = set()
         self._tail_client: aioredis.Redis | None = None
@@ -256,6 +257,7 @@ class KvBrokerService:
         """Ends every WatchSession stream with UNAVAILABLE (the server is stopping): the
         client resumes on another replica from the version it has, and shutdown does not
         wait on streams that last as long as their transfers."""
+        self._draining = True  # and watches that subscribe from now on end at once
         for queues in list(self._watchers.values()):
             for q in queues:
                 q.put_nowait(None)
@@ -390,12 +392,16 @@ class KvBrokerService:
                     f"{req.destination_worker_id!r}: " + "; ".join(n.negotiation.details),
                     {"kv_format": n.negotiation.reasons},
                 )
-        except (NotFound, FailedPrecondition):
+        except (NotFound, FailedPrecondition) as refused:
             # a retry of a request whose session exists gets that session, even once a
-            # worker has left or the pair is no longer compatible
+            # worker has left or the pair is no longer compatible; anything else (no such
+            # session, another request's, Redis away) is answered with the refusal itself
             args = self._open_args(req, deadline, now, "")
-            res = await self.store.open(args, actor, cred, now, existing_only=True)
-            if res.status not in ("same", "same_expired", "conflict"):
+            try:
+                res = await self.store.open(args, actor, cred, now, existing_only=True)
+            except Unavailable:
+                raise refused from None
+            if res.status not in ("same", "same_expired"):
                 raise
         else:
             args = self._open_args(req, deadline, now, negotiation_json(n.negotiation))
@@ -611,6 +617,8 @@ class KvBrokerService:
         """Registers a watcher and waits (up to wait_s) until the feed reader has its
         position, so that the session read which follows cannot miss a change."""
         self._watchers.setdefault(key, set()).add(queue)
+        if self._draining:
+            queue.put_nowait(None)
         self._tail_wanted.set()
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(wait_s):

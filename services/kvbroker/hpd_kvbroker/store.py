@@ -9,7 +9,8 @@ expires overdue sessions inside one script, expires each exactly once however ma
 replicas run it. Key layout: `hpd_kvbroker.keys`.
 
 Script results are `{status, <the session's SESSION_FIELDS values, in order>}`; statuses mirror
-`domain.Status` plus the authorisation outcomes `denied`, `not_party`, `missing`.
+`domain.Status` plus the authorisation outcomes `denied`, `not_party`, `missing`, and the open
+script's own (`SessionStore.open`).
 """
 
 from __future__ import annotations

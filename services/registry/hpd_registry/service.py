@@ -147,14 +147,23 @@ _OVERFLOW = object()
 
 
 class _Subscriber:
-    __slots__ = ("overflowed", "queue")
+    __slots__ = ("ended", "overflowed", "queue")
 
     def __init__(self, maxsize: int) -> None:
         self.queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=maxsize)
         self.overflowed = False
+        self.ended = False
+
+    def end(self, error: Exception) -> None:
+        """Ends the watch with `error` whatever is queued (nothing queued is sent)."""
+        self.ended = True
+        with contextlib.suppress(asyncio.QueueEmpty):
+            while True:
+                self.queue.get_nowait()
+        self.queue.put_nowait(error)
 
     def offer(self, item: Any) -> None:
-        if self.overflowed:
+        if self.overflowed or self.ended:
             return
         try:
             self.queue.put_nowait(item)
@@ -164,6 +173,11 @@ class _Subscriber:
                 while True:
                     self.queue.get_nowait()
             self.queue.put_nowait(_OVERFLOW)
+
+
+def _stopping() -> Unavailable:
+    """What a stream of a stopping registry ends with (one per stream: raised once each)."""
+    return Unavailable("registry stopping: reconnect (to another replica)")
 
 
 def _entry_event(e: FeedEntry) -> WatchEvent:
@@ -196,6 +210,7 @@ class RegistryService:
         self._subscribers: set[_Subscriber] = set()
         self._subscriber_epoch = 0
         self._subscribed = asyncio.Event()  # wakes an idle feed tailer
+        self._draining = False  # the server is stopping: streams end (`drain`)
         self._streams: dict[str, asyncio.Queue[Any]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._tail_client: aioredis.Redis | None = None
@@ -224,12 +239,11 @@ class RegistryService:
         """Ends every open heartbeat and watch stream with UNAVAILABLE (the server is
         stopping): their clients reconnect to another replica at once, and the shutdown
         grace is not spent waiting for streams that never end by themselves."""
-        stopping = Unavailable("registry stopping: reconnect (to another replica)")
+        self._draining = True  # and streams that register from now on end at once
         for q in list(self._streams.values()):
-            q.put_nowait(stopping)
+            q.put_nowait(_stopping())
         for sub in list(self._subscribers):
-            with contextlib.suppress(asyncio.QueueFull):  # a full queue overflows: ends too
-                sub.queue.put_nowait(stopping)
+            sub.end(_stopping())
 
     async def stop(self) -> None:
         # bounded: a task stuck on a dead connection must not block shutdown
@@ -383,6 +397,8 @@ class RegistryService:
         if previous is not None:
             previous.put_nowait(_END)
         self._streams[worker_id] = queue
+        if self._draining:
+            queue.put_nowait(_stopping())
         ttl = outcome.lease.lease_ttl_ms
         reader = asyncio.create_task(self._read_reports(worker_id, ttl, rest, queue))
         log.info("heartbeat_stream_opened", worker_id=worker_id)
@@ -543,6 +559,8 @@ class RegistryService:
         self._subscribers.add(sub)
         self._subscriber_epoch += 1
         self._subscribed.set()
+        if self._draining:
+            sub.end(_stopping())
         known: set[str] = set()
 
         def wanted(ev: WatchEvent) -> bool:
@@ -714,16 +732,20 @@ class RegistryService:
     async def _directive_listener(self) -> None:
         channel = self.store.keys.directive_channel
         while True:
-            pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+            pubsub = self.client.pubsub()
             try:
                 await pubsub.subscribe(channel)
+                while True:  # subscribed once Redis confirms it: from then on nothing is missed
+                    msg = await pubsub.get_message(timeout=1.0)
+                    if msg is not None and msg.get("type") == "subscribe":
+                        break
                 # a directive published while this listener was not subscribed (start, or
                 # after an error) was not heard: every open stream looks for its own now
                 for stream in list(self._streams.values()):
                     stream.put_nowait(_WAKE)
                 while True:
                     msg = await pubsub.get_message(timeout=1.0)
-                    if msg is None:
+                    if msg is None or msg.get("type") != "message":
                         continue
                     data = msg.get("data")
                     wid = data.decode() if isinstance(data, bytes) else str(data)
