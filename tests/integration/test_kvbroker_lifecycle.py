@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -37,6 +38,22 @@ async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 5.
     while not await check():
         assert asyncio.get_running_loop().time() < deadline, "condition never held"
         await asyncio.sleep(0.05)
+
+
+async def open_p1_to_d1(
+    reg_stub: Any, broker: BrokerHandle, deadline_ms: int = 60_000
+) -> tuple[str, k.KvSession]:
+    """Registers p1 (prefill) and d1 (decode) for a minute and opens a p1 -> d1 session
+    whose deadline and lease are `deadline_ms`; (p1's credential, the session)."""
+    p1 = await register(reg_stub, "p1", lease_ttl_ms=60_000)
+    await register(reg_stub, "d1", lease_ttl_ms=60_000, stages=(c.STAGE_DECODE,))
+    opened = await broker.stub.OpenSession(
+        open_request(
+            "req-1", who=caller("p1", p1), deadline_ms=deadline_ms, lease_ttl_ms=deadline_ms
+        ),
+        timeout=5,
+    )
+    return p1, opened.session
 
 
 async def watch_until_terminal(broker: BrokerHandle, sid: str) -> list[k.KvSession]:
@@ -146,13 +163,8 @@ async def test_redis_down_unavailable_not_serving_then_recovery(tmp_path: Path) 
 
     try:
         reg_stub = r_grpc.RegistryServiceStub(reg_channel)
-        p1 = await register(reg_stub, "p1", lease_ttl_ms=60_000)
-        await register(reg_stub, "d1", lease_ttl_ms=60_000, stages=(c.STAGE_DECODE,))
-        opened = await broker.stub.OpenSession(
-            open_request("req-1", who=caller("p1", p1), deadline_ms=60_000, lease_ttl_ms=60_000),
-            timeout=5,
-        )
-        sid = opened.session.session_id
+        p1, session = await open_p1_to_d1(reg_stub, broker)
+        sid = session.session_id
         acked = await broker.stub.ReportProgress(
             k.ReportProgressRequest(session_id=sid, caller=caller("p1", p1), bytes_done=7),
             timeout=5,
@@ -206,14 +218,9 @@ async def test_redis_refusing_writes_answers_unavailable_and_the_sweepers_carry_
     admin = redis_conn.connect(redis.url)
     try:
         reg_stub = r_grpc.RegistryServiceStub(reg_channel)
-        p1 = await register(reg_stub, "p1", lease_ttl_ms=60_000)
-        await register(reg_stub, "d1", lease_ttl_ms=60_000, stages=(c.STAGE_DECODE,))
         await register(reg_stub, "silent", lease_ttl_ms=300)
-        opened = await broker.stub.OpenSession(
-            open_request("req-1", who=caller("p1", p1), deadline_ms=1_000, lease_ttl_ms=1_000),
-            timeout=5,
-        )
-        sid = opened.session.session_id
+        p1, session = await open_p1_to_d1(reg_stub, broker, deadline_ms=1_000)
+        sid = session.session_id
 
         await admin.config_set("maxmemory", 1)  # before the deadline: no sweep expired it yet
         with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -261,15 +268,8 @@ async def test_a_stopping_broker_ends_watch_streams_with_unavailable(tmp_path: P
     broker = await start_broker(redis.url, "hpd")
     try:
         reg_stub = r_grpc.RegistryServiceStub(reg_channel)
-        p1 = await register(reg_stub, "p1", lease_ttl_ms=60_000)
-        await register(reg_stub, "d1", lease_ttl_ms=60_000, stages=(c.STAGE_DECODE,))
-        opened = await broker.stub.OpenSession(
-            open_request("req-1", who=caller("p1", p1), deadline_ms=60_000, lease_ttl_ms=60_000),
-            timeout=5,
-        )
-        watch = broker.stub.WatchSession(
-            k.WatchSessionRequest(session_id=opened.session.session_id)
-        )
+        _, session = await open_p1_to_d1(reg_stub, broker)
+        watch = broker.stub.WatchSession(k.WatchSessionRequest(session_id=session.session_id))
         assert (await asyncio.wait_for(watch.read(), 5)).session.version == 1
         t0 = asyncio.get_running_loop().time()
         await broker.server.stop(10)
@@ -281,7 +281,7 @@ async def test_a_stopping_broker_ends_watch_streams_with_unavailable(tmp_path: P
         assert "from version 1" in (err.value.details() or "")
         # a watch that subscribes after the stop began ends too, after the current state
         broker.service.drain()
-        late = broker.service.watch(opened.session.session_id, "", 0)
+        late = broker.service.watch(session.session_id, "", 0)
         assert (await anext(late)).version == 1
         with pytest.raises(Unavailable):
             await anext(late)

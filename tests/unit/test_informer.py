@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -52,12 +53,20 @@ class ScriptedRegistry(r_grpc.RegistryServiceServicer):  # type: ignore[misc]
         await asyncio.Event().wait()
 
 
-async def serve(servicer: ScriptedRegistry) -> tuple[grpc.aio.Server, str]:
+@contextlib.asynccontextmanager
+async def informing(servicer: ScriptedRegistry) -> AsyncIterator[FleetInformer]:
+    """A started informer following `servicer` (served on a free port)."""
     server = grpc.aio.server()
     r_grpc.add_RegistryServiceServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    return server, f"127.0.0.1:{port}"
+    informer = FleetInformer(f"127.0.0.1:{port}", max_backoff_s=0.2)
+    try:
+        await informer.start()
+        yield informer
+    finally:
+        await informer.stop()
+        await server.stop(0)
 
 
 async def watch_until(informer: FleetInformer, want: set[str], timeout_s: float = 5.0) -> None:
@@ -97,16 +106,10 @@ async def test_a_stream_broken_after_resync_asks_for_a_fresh_snapshot() -> None:
             ], False
 
     registry = Registry()
-    server, target = await serve(registry)
-    informer = FleetInformer(target, max_backoff_s=0.2)
-    try:
-        await informer.start()
+    async with informing(registry) as informer:
         await watch_until(informer, {"b", "c"})
         assert registry.asked == [0, 0]
         assert informer.revision == 10
-    finally:
-        await informer.stop()
-        await server.stop(0)
 
 
 async def test_a_snapshot_cut_short_leaves_no_phantom_workers() -> None:
@@ -126,13 +129,7 @@ async def test_a_snapshot_cut_short_leaves_no_phantom_workers() -> None:
             ], False
 
     registry = Registry()
-    server, target = await serve(registry)
-    informer = FleetInformer(target, max_backoff_s=0.2)
-    try:
-        await informer.start()
+    async with informing(registry) as informer:
         assert await informer.wait_synced(5)
         assert set(informer.workers) == {"a"}
         assert registry.asked == [0, 0]
-    finally:
-        await informer.stop()
-        await server.stop(0)
