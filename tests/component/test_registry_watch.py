@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -11,7 +13,7 @@ import pytest
 
 from hetero_pd.v1 import common_pb2 as c
 from hetero_pd.v1 import registry_pb2 as r
-from tests.conftest import RegistryHandle, external, start_registry
+from tests.conftest import RegistryHandle, external, start_registry, stop_server
 from tests.support.fleet import capability, load
 from tests.support.watch import EventReader
 
@@ -24,6 +26,22 @@ async def next_event(
 ) -> Any:
     """Reads events until one of type `want` (for `worker_id`, if given) arrives."""
     return await call.next(want, worker_id, timeout)
+
+
+@contextlib.asynccontextmanager
+async def own_registry(
+    redis_server: Any, key_prefix: str, **settings: Any
+) -> AsyncIterator[tuple[Any, Any]]:
+    """A registry of this test's own (with `settings`) and a stub for it: (server, stub)."""
+    from hetero_pd.v1 import registry_pb2_grpc as r_grpc
+
+    server = await start_registry(redis_server.url, key_prefix, **settings)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    try:
+        yield server, r_grpc.RegistryServiceStub(channel)
+    finally:
+        await channel.close()
+        await stop_server(server)
 
 
 async def test_watch_snapshot_then_changes(registry: RegistryHandle) -> None:
@@ -95,12 +113,7 @@ async def test_watch_resumes_from_revision(registry: RegistryHandle) -> None:
 
 @pytest.mark.skipif(external("registry") is not None, reason="needs its own registry settings")
 async def test_watch_from_trimmed_revision_resyncs(redis_server: Any, key_prefix: str) -> None:
-    server = await start_registry(redis_server.url, key_prefix, feed_max_len=10)
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
-    try:
-        from hetero_pd.v1 import registry_pb2_grpc as r_grpc
-
-        stub = r_grpc.RegistryServiceStub(channel)
+    async with own_registry(redis_server, key_prefix, feed_max_len=10) as (_, stub):
         reg = await stub.RegisterWorker(
             r.RegisterWorkerRequest(capability=capability(key_prefix + "-x")), timeout=5
         )
@@ -117,9 +130,6 @@ async def test_watch_from_trimmed_revision_resyncs(redis_server: Any, key_prefix
         ev = await call.read()
         assert ev.type == T.WATCH_EVENT_TYPE_SNAPSHOT and ev.worker.load.queue_depth == 299
         call.cancel()
-    finally:
-        await channel.close()
-        await server.stop(0)
 
 
 @pytest.mark.skipif(external("registry") is not None, reason="needs its own registry settings")
@@ -130,12 +140,7 @@ async def test_first_watcher_gets_live_changes_without_waiting_out_the_idle_tail
     A new watcher wakes it: a registration right after the snapshot arrives at once, not
     when the idle second is over (a broker or scheduler started just before its workers
     would otherwise look them up in Redis for up to that second)."""
-    server = await start_registry(redis_server.url, key_prefix, bookmark_interval_ms=1_000)
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
-    try:
-        from hetero_pd.v1 import registry_pb2_grpc as r_grpc
-
-        stub = r_grpc.RegistryServiceStub(channel)
+    async with own_registry(redis_server, key_prefix, bookmark_interval_ms=1_000) as (_, stub):
         await asyncio.sleep(0.1)  # the reader has found nobody watching and idles
         call = EventReader(stub.WatchWorkers(r.WatchWorkersRequest()))
         await next_event(call, T.WATCH_EVENT_TYPE_SNAPSHOT_END)
@@ -146,9 +151,6 @@ async def test_first_watcher_gets_live_changes_without_waiting_out_the_idle_tail
         waited = time.monotonic() - t0
         assert waited < 0.5, f"the registration reached the new watcher after {waited:.2f} s"
         call.cancel()
-    finally:
-        await channel.close()
-        await server.stop(0)
 
 
 @pytest.mark.skipif(external("registry") is not None, reason="writes into the registry's feed")
@@ -157,16 +159,11 @@ async def test_an_unreadable_feed_entry_is_skipped_not_a_stall(
 ) -> None:
     """A feed row that does not decode (damaged, or of a kind a newer version writes) is
     passed over, live and on replay; it used to fail every read of the feed that held it."""
-    from hetero_pd.v1 import registry_pb2_grpc as r_grpc
-    from hpd_common import redis_conn
     from hpd_registry.keys import RegistryKeys
 
-    server = await start_registry(redis_server.url, key_prefix)
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
-    client = redis_conn.connect(redis_server.url)
     keys = RegistryKeys(key_prefix)
-    try:
-        stub = r_grpc.RegistryServiceStub(channel)
+    async with own_registry(redis_server, key_prefix) as (server, stub):
+        client = server.redis
         first = r.RegisterWorkerRequest(capability=capability(key_prefix + "-first"))
         await stub.RegisterWorker(first, timeout=5)
         live = EventReader(stub.WatchWorkers(r.WatchWorkersRequest()))
@@ -187,10 +184,6 @@ async def test_an_unreadable_feed_entry_is_skipped_not_a_stall(
         )
         live.cancel()
         replay.cancel()
-    finally:
-        await client.aclose()
-        await channel.close()
-        await server.stop(0)
 
 
 @pytest.mark.skipif(external("registry") is not None, reason="stops its own registry")
@@ -200,12 +193,7 @@ async def test_stopping_ends_open_streams_instead_of_waiting_out_the_grace(
     """Heartbeat and watch streams never end by themselves; a stopping registry ends them
     with UNAVAILABLE (their clients reconnect elsewhere) rather than holding shutdown for
     the whole grace."""
-    from hetero_pd.v1 import registry_pb2_grpc as r_grpc
-
-    server = await start_registry(redis_server.url, key_prefix)
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
-    try:
-        stub = r_grpc.RegistryServiceStub(channel)
+    async with own_registry(redis_server, key_prefix) as (server, stub):
         wid = key_prefix + "-streaming"
         reg = await stub.RegisterWorker(
             r.RegisterWorkerRequest(capability=capability(wid)), timeout=5
@@ -231,9 +219,6 @@ async def test_stopping_ends_open_streams_instead_of_waiting_out_the_grace(
                     pass
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "registry stopping" in (err.value.details() or "")
-    finally:
-        await channel.close()
-        await server.stop(0)
 
 
 def test_a_full_watch_queue_still_ends_when_the_registry_stops() -> None:
