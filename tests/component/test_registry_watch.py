@@ -263,6 +263,29 @@ async def test_streams_opened_while_draining_end_at_once(registry: RegistryHandl
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
+@pytest.mark.skipif(external("registry") is not None, reason="needs its own registry settings")
+async def test_registering_over_an_unswept_expired_lease_reports_the_expiry_first(
+    redis_server: Any, key_prefix: str
+) -> None:
+    """A worker that restarts and registers again after its lease lapsed, before a sweep got
+    to it, is a new incarnation: watchers see the old one's DELETE (lease_expired) before
+    the new PUT, so whatever they held for it (a KV session in flight) is released."""
+    async with own_registry(redis_server, key_prefix, sweep_interval_ms=60_000) as (_, stub):
+        wid = key_prefix + "-restarts"
+        first = r.RegisterWorkerRequest(capability=capability(wid), lease_ttl_ms=100)
+        await stub.RegisterWorker(first, timeout=5)
+        call = EventReader(stub.WatchWorkers(r.WatchWorkersRequest()))
+        await next_event(call, T.WATCH_EVENT_TYPE_SNAPSHOT_END)
+        await asyncio.sleep(0.2)  # the lease lapses; no sweep runs for a minute
+        again = r.RegisterWorkerRequest(capability=capability(wid), lease_ttl_ms=30_000)
+        await stub.RegisterWorker(again, timeout=5)
+        gone = await next_event(call, T.WATCH_EVENT_TYPE_DELETE, wid)
+        assert gone.reason == "lease_expired"
+        back = await next_event(call, T.WATCH_EVENT_TYPE_PUT, wid)  # after it, not before
+        assert back.revision > gone.revision
+        call.cancel()
+
+
 async def test_silent_worker_turns_suspect_then_expires(registry: RegistryHandle) -> None:
     wid = registry.prefix + "-quiet"
     ttl_ms = 1_200

@@ -84,7 +84,10 @@ if redis.call('EXISTS', key) == 1 then
     end
     return {'same', tonumber(redis.call('HGET', key, 'rev'))}
   end
+  -- expired, not yet swept: watchers hear of the expiry before the new registration, so
+  -- what held the old one (a KV session, a reservation) is released as by the sweeper
   forget(id)
+  emit_del(id, 'lease_expired')
 end
 redis.call('HSET', key, 'spec', ARGV[8], 'cred', ARGV[7], 'reg', now, 'hb', now,
   'exp', now + ttl, 'ttl', ttl, 'sus', '0', 'unh', '0', 'why', '',
