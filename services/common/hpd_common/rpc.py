@@ -34,6 +34,7 @@ import structlog
 
 from hpd_common import errors, metrics
 from hpd_common.logging import get_logger
+from hpd_common.redis_conn import STORE_DOWN
 
 log = get_logger("rpc")
 
@@ -49,12 +50,13 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.Aborted, grpc.StatusCode.ABORTED),
     (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
-    (redis.exceptions.ConnectionError, grpc.StatusCode.UNAVAILABLE),
-    (redis.exceptions.TimeoutError, grpc.StatusCode.UNAVAILABLE),
-    (redis.exceptions.BusyLoadingError, grpc.StatusCode.UNAVAILABLE),
-    (redis.exceptions.ReadOnlyError, grpc.StatusCode.UNAVAILABLE),
-    (redis.exceptions.OutOfMemoryError, grpc.StatusCode.UNAVAILABLE),
-    (redis.exceptions.MasterDownError, grpc.StatusCode.UNAVAILABLE),
+    # what a store would have turned into Unavailable, had it caught it (the Redis kinds
+    # only: any OSError at the edge is not a store's)
+    *(
+        (kind, grpc.StatusCode.UNAVAILABLE)
+        for kind in STORE_DOWN
+        if issubclass(kind, redis.exceptions.RedisError)
+    ),
     (ConnectionError, grpc.StatusCode.UNAVAILABLE),
     (TimeoutError, grpc.StatusCode.UNAVAILABLE),
 ]

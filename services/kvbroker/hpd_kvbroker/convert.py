@@ -42,12 +42,8 @@ def format_from_pb(m: c.KvFormat, path: str) -> KvFormat:
     return kv_format_from_pb(m, path)
 
 
-def negotiation_to_pb(n: Negotiation) -> k.Negotiation:
-    return _negotiation_pb(n)
-
-
 @functools.lru_cache(maxsize=4096)
-def _negotiation_pb(n: Negotiation) -> k.Negotiation:
+def negotiation_to_pb(n: Negotiation) -> k.Negotiation:
     """Built once per distinct negotiation; callers copy it into their message (protobuf
     constructors and CopyFrom copy), never mutate it."""
     return k.Negotiation(

@@ -157,10 +157,7 @@ class _Subscriber:
     def end(self, error: Exception) -> None:
         """Ends the watch with `error` whatever is queued (nothing queued is sent)."""
         self.ended = True
-        with contextlib.suppress(asyncio.QueueEmpty):
-            while True:
-                self.queue.get_nowait()
-        self.queue.put_nowait(error)
+        self._replace_all(error)
 
     def offer(self, item: Any) -> None:
         if self.overflowed or self.ended:
@@ -169,10 +166,14 @@ class _Subscriber:
             self.queue.put_nowait(item)
         except asyncio.QueueFull:
             self.overflowed = True
-            with contextlib.suppress(asyncio.QueueEmpty):
-                while True:
-                    self.queue.get_nowait()
-            self.queue.put_nowait(_OVERFLOW)
+            self._replace_all(_OVERFLOW)
+
+    def _replace_all(self, item: Any) -> None:
+        """Drops everything queued; `item` is all that is left."""
+        with contextlib.suppress(asyncio.QueueEmpty):
+            while True:
+                self.queue.get_nowait()
+        self.queue.put_nowait(item)
 
 
 def _stopping() -> Unavailable:
