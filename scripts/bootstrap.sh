@@ -13,8 +13,15 @@ if [ ! -x .venv/bin/python ]; then
 fi
 stamp=.venv/.hpd-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-  .venv/bin/python -m pip install -q -e '.[dev]'
+  # pip's and the build backend's chatter goes to a log, shown only when the install fails
+  log=.venv/pip-install.log
+  echo "installing hetero-pd and its dev tools into .venv (log: $log) ..."
+  if ! { .venv/bin/python -m pip install -q --upgrade pip \
+         && .venv/bin/python -m pip install -q -e '.[dev]'; } >"$log" 2>&1; then
+    cat "$log" >&2
+    echo "bootstrap: installing into .venv failed (above; also in $log)" >&2
+    exit 1
+  fi
   touch "$stamp"
 fi
 # The policy core compiled with mypyc (hpd_common/native.py): rebuilt when a compiled

@@ -289,6 +289,7 @@ AUTH_CASES = [
     pytest.param("p1-bad", grpc.StatusCode.PERMISSION_DENIED, id="wrong-credential"),
     pytest.param("bad-token", grpc.StatusCode.PERMISSION_DENIED, id="wrong-token"),
     pytest.param("nobody", grpc.StatusCode.INVALID_ARGUMENT, id="no-caller"),
+    pytest.param("gateway", grpc.StatusCode.PERMISSION_DENIED, id="gateway-may-not-open"),
 ]
 
 
@@ -297,6 +298,7 @@ def who(env: Env, name: str) -> k.SessionCaller | None:
         "scheduler": SCHED,
         "p1-bad": caller("p1", "not-it"),
         "bad-token": k.SessionCaller(scheduler_token="guess"),
+        "gateway": k.SessionCaller(gateway_token="gw"),
         "nobody": None,
     }
     return special[name] if name in special else env.as_(name)
@@ -315,6 +317,8 @@ async def test_who_may_open(env: Env, name: str, code: grpc.StatusCode) -> None:
         pytest.param("d1", grpc.StatusCode.OK, grpc.StatusCode.OK, id="destination"),
         pytest.param("scheduler", grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.OK,
                      id="scheduler-aborts-only"),
+        pytest.param("gateway", grpc.StatusCode.OK, grpc.StatusCode.OK,
+                     id="gateway-runs-the-transfer"),
         pytest.param("x1", grpc.StatusCode.PERMISSION_DENIED,
                      grpc.StatusCode.PERMISSION_DENIED, id="other-worker"),
         pytest.param("p1-bad", grpc.StatusCode.PERMISSION_DENIED,
@@ -598,7 +602,7 @@ async def test_hpd_sessions_and_hpd_compat_print_tables(
     assert code == 0 and lines[0].split()[:2] == ["SESSION", "REQUEST"]
     assert len(lines) == 3 and all("NEGOTIATED" in line for line in lines[1:])
     code, out, _ = await hpd("sessions", "--state", "negotiated", "-o", "json")
-    assert code == 0 and sorted(s["requestId"] for s in json.loads(out)) == [
+    assert code == 0 and sorted(s["request_id"] for s in json.loads(out)) == [
         "cli-0",
         "cli-1",
         "cli-2",

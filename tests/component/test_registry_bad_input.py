@@ -60,6 +60,9 @@ REGISTER_CASES = [
     ("pp_size", setter("pp_size", 5000)),
     ("peak_tflops", setter("peak_tflops", float("nan"))),
     ("hbm_gbps", setter("hbm_gbps", -3.0)),
+    # numbers a fleet model divides by: a subnormal figure is refused, not stored
+    ("peak_tflops", setter("peak_tflops", 1e-308)),
+    ("hbm_gbps", setter("hbm_gbps", 1e-308)),
     ("kv_memory_total_bytes", setter("kv_memory_total_bytes", 0)),
     ("max_batch_size", setter("max_batch_size", 0)),
     ("kv_format", clear("kv_format")),
@@ -69,6 +72,7 @@ REGISTER_CASES = [
     ("kv_format.num_layers", setter("kv_format.num_layers", 0)),
     ("kv_format.num_kv_heads", setter("kv_format.num_kv_heads", 0)),
     ("kv_format.head_dim", setter("kv_format.head_dim", 0)),
+    ("kv_format.num_layers", setter("kv_format.num_layers", 4_000_000_000)),
     ("kv_format.tp_size", setter("kv_format.tp_size", 2)),
     ("kv_format.attention_backend", setter("kv_format.attention_backend", "")),
     ("kv_format.model_revision", setter("kv_format.model_revision", "other")),
@@ -76,7 +80,11 @@ REGISTER_CASES = [
     ("network.rack", setter("network.rack", "\x01")),
     ("network.host", setter("network.host", "h" * 300)),
     ("network.nic_gbps", setter("network.nic_gbps", float("inf"))),
+    ("network.nic_gbps", setter("network.nic_gbps", 1e-300)),
     ("labels", lambda cap: cap.labels.update({"bad key": "v"})),
+    # a key gRPC cannot put in the error's metadata as is (found by `hpd fuzz`: the status
+    # could not be sent and the caller waited for its deadline)
+    ("labels", lambda cap: cap.labels.update({"\U0001f642" * 64 + "0": ""})),
 ]
 
 

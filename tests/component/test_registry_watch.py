@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -334,3 +335,120 @@ async def test_heartbeat_after_suspect_restores_healthy(registry: RegistryHandle
     ev = await next_event(call, T.WATCH_EVENT_TYPE_PUT, wid)
     assert ev.worker.status.health == c.HEALTH_STATE_HEALTHY
     call.cancel()
+
+
+async def test_watch_filtered_by_event_type_skips_loads_but_keeps_snapshot_end(
+    registry: RegistryHandle,
+) -> None:
+    model = registry.prefix + "-kinds"
+    a = registry.prefix + "-ka"
+    reg_a = await registry.stub.RegisterWorker(
+        r.RegisterWorkerRequest(capability=capability(a, model=model)), timeout=5
+    )
+    want = [T.WATCH_EVENT_TYPE_PUT, T.WATCH_EVENT_TYPE_DELETE]
+    call = EventReader(
+        registry.stub.WatchWorkers(r.WatchWorkersRequest(model_id=model, event_types=want))
+    )
+    # no SNAPSHOT event for a, but the snapshot's end always comes through
+    first = await call.read()
+    assert first.type == T.WATCH_EVENT_TYPE_SNAPSHOT_END
+    for q in (1, 2, 3):
+        await registry.stub.Heartbeat(
+            r.HeartbeatRequest(worker_id=a, credential=reg_a.credential, load=load(queue=q)),
+            timeout=5,
+        )
+    await registry.stub.CordonWorker(r.CordonWorkerRequest(worker_id=a), timeout=5)
+    await registry.stub.DeregisterWorker(
+        r.DeregisterWorkerRequest(worker_id=a, credential=reg_a.credential), timeout=5
+    )
+    # the three loads came before these, and none of them is on this watch
+    put = await call.read()
+    assert (put.type, put.worker.status.health) == (
+        T.WATCH_EVENT_TYPE_PUT,
+        c.HEALTH_STATE_CORDONED,
+    )
+    gone = await call.read()
+    assert (gone.type, gone.reason) == (T.WATCH_EVENT_TYPE_DELETE, "deregistered")
+    call.cancel()
+
+
+async def test_watch_with_an_unknown_event_type_is_refused(registry: RegistryHandle) -> None:
+    call = registry.stub.WatchWorkers(
+        r.WatchWorkersRequest(event_types=[r.WATCH_EVENT_TYPE_UNSPECIFIED])
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await call.read()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "event_types" in (err.value.details() or "")
+
+
+async def _hpd(*argv: str) -> tuple[int, str, str]:
+    """The installed `hpd` command in a child process: exit code, stdout, stderr."""
+    import sys
+    from pathlib import Path
+
+    exe = str(Path(sys.executable).with_name("hpd"))
+    proc = await asyncio.create_subprocess_exec(
+        exe, *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+    finally:
+        if proc.returncode is None:  # timed out or cancelled: no process left behind
+            proc.kill()
+            await proc.wait()
+    return proc.returncode or 0, out.decode(), err.decode()
+
+
+async def test_hpd_watch_prints_the_kinds_asked_for(registry: RegistryHandle) -> None:
+    model = registry.prefix + "-cli"
+    a = registry.prefix + "-wa"
+    reg = await registry.stub.RegisterWorker(
+        r.RegisterWorkerRequest(capability=capability(a, model=model)), timeout=5
+    )
+    # from revision 1: the registration (a PUT) replays
+    code, out, err = await _hpd(
+        "watch", "--registry", registry.target, "--model", model,
+        "--kind", "put", "--from-revision", "1", "--count", "1",
+    )  # fmt: skip
+    assert code == 0, err
+    (line,) = out.strip().splitlines()
+    assert line.split()[1:3] == ["put", a] and "pool=h100-prefill health=" in line, line
+    # loads are live only (not replayed): heartbeat until the watcher has seen one
+    argv = ["watch", "--registry", registry.target, "--model", model, "--kind", "load"]
+    watcher = asyncio.create_task(_hpd(*argv, "--count", "1", "-o", "json"))
+    while not watcher.done():
+        await registry.stub.Heartbeat(
+            r.HeartbeatRequest(worker_id=a, credential=reg.credential, load=load(queue=4)),
+            timeout=5,
+        )
+        await asyncio.wait({watcher}, timeout=0.2)
+    code, out, err = watcher.result()
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["type"] == "WATCH_EVENT_TYPE_LOAD" and doc["worker"]["load"]["queue_depth"] == 4
+    code, out, err = await _hpd("watch", "--registry", registry.target, "--kind", "loads")
+    assert code == 2 and "unknown event kind 'loads'" in err and "known: snapshot" in err
+
+
+async def test_hpd_workers_json_into_a_closed_pipe_exits_cleanly(
+    registry: RegistryHandle,
+) -> None:
+    """`hpd workers -o json | head -1`: the reader leaves early; no traceback, exit 0."""
+    import sys
+    from pathlib import Path
+
+    for i in range(30):
+        await registry.stub.RegisterWorker(
+            r.RegisterWorkerRequest(capability=capability(f"{registry.prefix}-pipe{i}")), timeout=5
+        )
+    exe = str(Path(sys.executable).with_name("hpd"))
+    proc = await asyncio.create_subprocess_shell(
+        f"set -o pipefail; {exe} workers --registry {registry.target} -o json | head -1",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        executable="/bin/bash",
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()
+    assert out.decode().strip() == "[" and not err.decode(), err.decode()

@@ -328,8 +328,10 @@ async def test_nothing_executable_is_rejected_with_failed_precondition(
         for wid in ids:
             await scheduler.registry.stub.CordonWorker(r.CordonWorkerRequest(worker_id=wid))
         await scheduler.settle(ids)
-    code, _ = await status_of(scheduler.stub.Schedule(sched("rej-1", model=model), timeout=5))
+    code, exc = await status_of(scheduler.stub.Schedule(sched("rej-1", model=model), timeout=5))
     assert code == grpc.StatusCode.FAILED_PRECONDITION
+    if not cordon:
+        assert exc.details().startswith("the model has no worker in the fleet"), exc.details()
     rec = (await scheduler.stub.GetRouteRecord(s.GetRouteRecordRequest(request_id="rej-1"))).record
     assert rec.decision == s.ROUTE_DECISION_REJECT and rec.reject_class == "no_capable_worker"
 
@@ -337,9 +339,18 @@ async def test_nothing_executable_is_rejected_with_failed_precondition(
 async def test_schedule_is_idempotent_per_request_id(scheduler: SchedulerHandle) -> None:
     await hetero_fleet(scheduler)
     first = await scheduler.stub.Schedule(sched("idem-1"), timeout=5)
-    again = await scheduler.stub.Schedule(sched("idem-1", prompt=5, output=5), timeout=5)
+    again = await scheduler.stub.Schedule(sched("idem-1"), timeout=5)
     assert not first.replayed and again.replayed
     assert again.plan == first.plan
+    # the same id asking for something else is a caller's bug, not a retry
+    for changed in (
+        sched("idem-1", prompt=5, output=5),
+        sched("idem-1", model="other-model"),
+        sched("idem-1", tier="batch"),
+    ):
+        code, exc = await status_of(scheduler.stub.Schedule(changed, timeout=5))
+        assert code == grpc.StatusCode.ALREADY_EXISTS, code
+        assert "different request" in exc.details()
     svc = scheduler.service
     if svc is not None:
         assert await svc.store.reservation_count() == 1

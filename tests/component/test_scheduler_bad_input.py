@@ -130,3 +130,29 @@ async def test_random_messages_never_internal(scheduler: SchedulerHandle) -> Non
     # still serving
     ok = await scheduler.stub.Schedule(sched("after-fuzz"), timeout=5)
     assert ok.plan.decode_worker_id
+
+
+@pytest.mark.parametrize(
+    ("doc", "limit"),
+    [
+        pytest.param("[" * 5000 + "]" * 5000, "levels", id="deep-brackets"),
+        pytest.param(
+            "profile: x\n" + "a: &a [1]\n" + "b: [" + "*a, " * 200 + "1]",
+            "aliases",
+            id="alias-fan-out",
+        ),
+    ],
+)
+async def test_a_hostile_policy_document_is_refused_naming_the_limit(
+    scheduler: SchedulerHandle, doc: str, limit: str
+) -> None:
+    """The document is refused before it is built (INVALID_ARGUMENT naming the limit, not
+    INTERNAL after a recursion error), and the live policy stays."""
+    before = await scheduler.stub.GetPolicy(s.GetPolicyRequest(), timeout=5)
+    code, exc = await status_of(
+        scheduler.stub.ReloadPolicy(s.ReloadPolicyRequest(profile_yaml=doc), timeout=10)
+    )
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, code
+    assert "profile_yaml" in exc.details() and limit in exc.details(), exc.details()
+    after = await scheduler.stub.GetPolicy(s.GetPolicyRequest(), timeout=5)
+    assert after.policy.generation == before.policy.generation

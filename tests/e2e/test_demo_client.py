@@ -13,8 +13,8 @@ import pytest
 
 from hetero_pd.v1 import common_pb2 as c
 from hetero_pd.v1 import registry_pb2 as r
+from hpd_agent.worker_client import ClientTiming, WorkerClient
 from hpd_common.clock import SystemClock
-from hpd_fleet.client import ClientTiming, WorkerClient
 from hpd_registry.domain import LoadReport
 from tests.conftest import RegistryHandle
 from tests.support.fleet import capability

@@ -12,8 +12,8 @@ import pytest
 
 from hetero_pd.v1 import kvbroker_pb2 as kb
 from hetero_pd.v1 import scheduler_pb2 as s
+from hpd_agent.worker_client import TERMINAL_STATES
 from hpd_common.embedded_redis import EmbeddedRedis
-from hpd_fleet.client import TERMINAL_STATES
 from hpd_fleet.demo import DemoResult, run_demo
 from hpd_fleet.faults import Fault
 from hpd_fleet.gateway import MODE_NAMES
@@ -160,3 +160,31 @@ async def test_redis_outage_loses_no_request_and_the_run_recovers(
     # requests arriving well after the restart are served normally again
     tail = res.records[-len(res.records) // 4 :]
     assert all(r.completed and r.schedule_retries == 0 for r in tail)
+
+
+async def test_a_worker_killed_during_a_redis_stop_longer_than_a_lease(
+    tmp_path: Path, key_prefix: str
+) -> None:
+    """Two faults at once: a decode worker killed while Redis is stopped for longer than a
+    lease. Every request either completes (a fallback serves those of the dead worker) or,
+    arriving while the state store was away, is refused as unavailable (retryable): never
+    FAILED_PRECONDITION, which a gateway would not retry."""
+    with EmbeddedRedis(tmp_path / "redis", persist=True) as redis:
+        res = await replay(
+            redis, key_prefix, rate_scale=2.0, duration_s=36.0, lease_ttl_ms=1_000,
+            faults=(
+                Fault("stop_redis", "redis", 3.0, at_s=1.5),
+                Fault("kill_worker", "auto", 0.0, at_s=2.0),
+            ),
+        )  # fmt: skip
+    assert res.report["faults"][0].startswith("Redis stopped")
+    assert any(f.startswith("killed worker") for f in res.report["faults"])
+    statuses: dict[str, int] = {}
+    for r in res.records:
+        key = "completed" if r.completed else f"{r.status}:{r.reason}"
+        statuses[key] = statuses.get(key, 0) + 1
+    # every request a fallback could serve was served; the only refusals allowed are the
+    # retryable ones of the outage itself (never no_capable_worker / FAILED_PRECONDITION)
+    assert all(r.completed or r.reason == "unavailable" for r in res.records), statuses
+    lost = [r for r in res.records if r.fallback.startswith("decode_worker_lost")]
+    assert lost and all(r.completed for r in lost), statuses

@@ -79,3 +79,19 @@ def test_cli_runs_a_short_replay_writes_the_report_and_exits_zero(tmp_path: Path
     assert len(doc["requests"]) == doc["accounting"]["requests"] > 0
     assert set(doc["tiers"]) <= {"interactive", "standard", "batch"}
     assert {"p50", "p90", "p99"} == set(doc["overall"]["ttft_ms"])
+
+
+def test_the_default_demo_shows_the_fleets_heterogeneity(tmp_path: Path) -> None:
+    """`hpd demo` as a newcomer runs it (only faster): the replay's rising rate takes
+    requests through both hand-offs and onto at least four of the five pools, and the
+    report says so in words."""
+    out = tmp_path / "demo"
+    argv = ["--time-scale", "3", "--no-serve", "--no-live", "--out", str(out)]
+    argv += ["--registry-port", "0", "--scheduler-port", "0", "--kvbroker-port", "0"]
+    assert main(argv) == 0
+    doc = json.loads((out / "report.json").read_text())
+    overall = doc["overall"]
+    assert {"transfer", "recompute"} <= set(overall["modes"]), overall["modes"]
+    pools = {w["pool"] for w in doc["workers"].values()}
+    assert len(pools) == 5 and len(set(overall["pools"]) & pools) >= 4, overall["pools"]
+    assert doc["rate_scale"] == 1.0 and doc["rate_scale_end"] == 9.0

@@ -163,6 +163,32 @@ async def test_a_wrong_credential_or_an_expired_lease_is_denied(
     assert await store.get(s.session_id) == s
 
 
+@pytest.mark.parametrize(
+    ("grace", "status"),
+    [
+        # the registry's post-outage grace covers the lapse: still the worker's session
+        pytest.param({"from": T0 - 500, "until": T0 + 5_000}, "applied", id="grace-granted"),
+        # no sweep since before the lapse, for longer than the outage gap: the same
+        pytest.param({"alive": T0 - 200, "gap": 100}, "applied", id="outage-not-yet-swept"),
+        # the lease ran out before the outage began: gone, as without any grace
+        pytest.param({"from": T0 + 10, "until": T0 + 5_000}, "denied", id="lapsed-before"),
+        pytest.param({}, "denied", id="no-outage"),
+    ],
+)
+async def test_a_lease_that_ran_out_during_a_redis_outage_keeps_its_credential(
+    store: SessionStore,
+    redis_client: aioredis.Redis,
+    key_prefix: str,
+    grace: dict[str, int],
+    status: str,
+) -> None:
+    s = await open_session(store)
+    await forge_workers(redis_client, key_prefix, exp_ms=T0)  # lapsed at T0
+    if grace:
+        await redis_client.hset(RegistryKeys(key_prefix).grace, mapping=grace)
+    assert await step(store, s, Op.PROGRESS, "p1", T0 + 1, 10) == status
+
+
 @pytest.mark.parametrize("actor", ["", "p1", "d1"])
 async def test_the_session_open_returns_is_the_one_it_stored(
     store: SessionStore, redis_client: aioredis.Redis, actor: str

@@ -173,3 +173,70 @@ async def test_redis_outage_unavailable_then_recovers(tmp_path: Path, key_prefix
         proc.kill()
         proc.wait()
         redis.stop()
+
+
+async def test_a_redis_outage_longer_than_the_lease_loses_no_worker(
+    tmp_path: Path, key_prefix: str
+) -> None:
+    """Redis stopped for three leases while a worker keeps heartbeating (its heartbeats
+    fail meanwhile): afterwards the worker is the same registration (same credential and
+    registration time), no deletion reached the change feed, and its heartbeats succeed."""
+    from tests.conftest import start_registry, stop_server
+
+    lease_ms = 1_000
+    redis = EmbeddedRedis(tmp_path / "r", persist=True).start()
+    server = await start_registry(redis.url, key_prefix, lease_ttl_ms=lease_ms)
+    beats = {"ok": 0, "failed": 0, "gone": 0}
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+            stub = r_grpc.RegistryServiceStub(ch)
+            wid = key_prefix + "-steady"
+            reg = await stub.RegisterWorker(
+                r.RegisterWorkerRequest(capability=capability(wid), lease_ttl_ms=lease_ms),
+                timeout=5,
+            )
+            first = (await stub.GetWorker(r.GetWorkerRequest(worker_id=wid), timeout=5)).worker
+            watch = EventReader(stub.WatchWorkers(r.WatchWorkersRequest(from_revision=1)))
+
+            async def heartbeats() -> None:
+                while True:
+                    try:
+                        await stub.Heartbeat(
+                            r.HeartbeatRequest(worker_id=wid, credential=reg.credential),
+                            timeout=1,
+                        )
+                        beats["ok"] += 1
+                    except grpc.aio.AioRpcError as exc:
+                        key = "gone" if exc.code() == grpc.StatusCode.NOT_FOUND else "failed"
+                        beats[key] += 1
+                    await asyncio.sleep(lease_ms / 3000)
+
+            beating = asyncio.create_task(heartbeats())
+            await asyncio.sleep(1.2)  # AOF fsync is every second
+            redis.stop()
+            await asyncio.sleep(3 * lease_ms / 1000)
+            redis.start()
+            deadline = time.monotonic() + 15
+            ok_before = beats["ok"]
+            while beats["ok"] < ok_before + 3:  # heartbeats land again
+                assert time.monotonic() < deadline, beats
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(3 * lease_ms / 1000)  # and keep landing, past the grace
+            assert beats["failed"] > 0 and beats["gone"] == 0, beats
+            now = (await stub.GetWorker(r.GetWorkerRequest(worker_id=wid), timeout=5)).worker
+            assert now.status.registered_at_unix_ms == first.status.registered_at_unix_ms
+            deleted = []
+            drain_until = time.monotonic() + 2.0  # the feed so far (bookmarks keep coming)
+            while time.monotonic() < drain_until:
+                try:
+                    ev = await watch.read(timeout=0.5)
+                except TimeoutError:
+                    break
+                if ev.type == r.WATCH_EVENT_TYPE_DELETE:
+                    deleted.append(f"{ev.worker_id} {ev.reason} rev {ev.revision}")
+            watch.cancel()
+            beating.cancel()  # (only now: without heartbeats the lease would run out)
+            assert not [d for d in deleted if d.startswith(wid + " ")], deleted
+    finally:
+        await stop_server(server)
+        redis.stop()

@@ -70,6 +70,8 @@ async def replicas(
             "--scheduler-id", f"replica-{i}", "--log-level", "warning",
             "--shutdown-grace-s", "0",
         ]  # fmt: skip
+        if i == 1:  # one plan only: a worker found full refuses at once (a record still)
+            args += ["--max-plan-attempts", "1"]
         procs.append(subprocess.Popen(args, env=env, cwd=ROOT, stdout=subprocess.DEVNULL))  # noqa: ASYNC220
         targets.append(f"127.0.0.1:{port}")
     try:
@@ -150,6 +152,15 @@ async def test_two_processes_never_hold_more_than_k(
         assert not odd, odd[:3]
         assert 1 <= len(ok) <= K
         assert await held(redis_server.url, registry.prefix) == len(ok) <= K
+        # every refusal has its REJECT record, also one refused because each attempt found
+        # the worker fully reserved by the other replica
+        for i, (code, _) in enumerate(results):
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                got = await stubs[0].GetRouteRecord(
+                    s.GetRouteRecordRequest(request_id=f"k-{i}"), timeout=5
+                )
+                assert got.record.decision == s.ROUTE_DECISION_REJECT, got.record
+                assert got.record.reject_class == "saturated", got.record
         # outcomes give the capacity back, to either replica (the planner keeps 20%
         # headroom over a request's KV, so with the worker full two releases are needed
         # before a third request fits again)

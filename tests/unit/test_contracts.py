@@ -58,7 +58,8 @@ def test_pure_modules_import_no_grpc_protobuf_or_redis(path: Path) -> None:
 
 # Modules that sit at the gRPC edge: servicers, proto conversion, bootstrap, and gRPC
 # clients (`*_client.py`, the informer, the CLI tables; the emulated fleet and gateway
-# package, which is a client of all three services).
+# package, which is a client of all three services; the engine agent's runtime, which
+# speaks gRPC to the registry for its engine).
 EDGE_PACKAGES = {"hpd_fleet"}
 EDGE = {
     "api.py",
@@ -70,6 +71,11 @@ EDGE = {
     "tables.py",
     "client.py",
     "grpc_client.py",
+    "agent.py",
+    "control_client.py",
+    "auth.py",  # the servers' token check (an interceptor)
+    "channels.py",  # every client channel, with its identity
+    "admin.py",  # the operator commands (a registry client)
 }
 
 

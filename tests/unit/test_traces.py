@@ -97,6 +97,8 @@ def test_reshape(kwargs: dict[str, float], expected: list[float]) -> None:
         pytest.param({"time_scale": -1.0}, id="negative-time-scale"),
         pytest.param({"duration_s": -1.0}, id="negative-duration"),
         pytest.param({"max_requests": -1}, id="negative-count"),
+        pytest.param({"rate_scale_end": 2.0}, id="ramp-without-duration"),
+        pytest.param({"rate_scale_end": 0.0, "duration_s": 5.0}, id="ramp-to-zero"),
     ],
 )
 def test_reshape_refuses_bad_arguments(kwargs: dict[str, float]) -> None:
@@ -123,3 +125,24 @@ def test_the_shipped_traces_load() -> None:
     mooncake = load_trace(DATA / "mooncake_synthetic_slice.jsonl")
     assert len(mooncake) == 400
     assert all(r.hash_ids for r in mooncake.requests)
+
+
+def test_a_rate_ramp_rises_linearly_over_the_replay() -> None:
+    """From 1 x to 9 x over 30 s: 150 trace seconds fit (the multiplier's integral), the
+    arrival rate in the last tenth is about 8.6 x the first tenth's, and arrivals keep
+    their order."""
+    trace = _trace([i * 0.1 for i in range(3000)])  # 10 per second for 300 s
+    out = [r.arrival_s for r in reshape(trace, rate_scale=1.0, rate_scale_end=9.0,
+                                        duration_s=30.0).requests]  # fmt: skip
+    assert len(out) == pytest.approx(1500, abs=2)
+    assert out == sorted(out) and out[-1] < 30.0
+    first = sum(1 for t in out if t < 3.0)
+    last = sum(1 for t in out if t >= 27.0)
+    # multiplier means over the two tenths: 1.4 and 8.6
+    assert last / first == pytest.approx(8.6 / 1.4, rel=0.05)
+
+
+def test_a_falling_ramp_stops_where_the_rate_would_turn() -> None:
+    trace = _trace([float(i) for i in range(1000)])
+    out = reshape(trace, rate_scale=4.0, rate_scale_end=1.0, duration_s=10.0)
+    assert len(out) == pytest.approx(25, abs=1)  # the mean multiplier 2.5 over 10 s

@@ -4,14 +4,20 @@ hpd up          run the control plane on this machine (embedded Redis unless --r
 hpd registry    run the registry service alone
 hpd workers     list workers of a running registry (like `kubectl get`)
 hpd pools       list pools of a running registry
+hpd watch       follow the registry's change feed, filtered by event kind
+hpd agent       attach one running engine (vLLM, SGLang) to the registry
+hpd gateway     the OpenAI-compatible front door that runs plans on the engines
 hpd native      compile the policy core (mypyc) or say whether the compiled one is in use
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from collections.abc import Callable, Sequence
+
+from hpd_common.errors import HpdError, InvalidArgument
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("hpd_fleet.demo", "control plane + emulated heterogeneous fleet + trace replay"),
@@ -19,29 +25,42 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "registry": ("hpd_registry.__main__", "run the registry service"),
     "scheduler": ("hpd_scheduler.__main__", "run the scheduler service"),
     "kvbroker": ("hpd_kvbroker.__main__", "run the KV broker service"),
+    "agent": ("hpd_agent.__main__", "attach one running engine (vLLM, SGLang) to the fleet"),
+    "gateway": ("hpd_gateway.__main__", "the OpenAI-compatible front door over the engines"),
     "sim": ("hpd_scheduler.sim.cli", "simulate a cluster under scheduling policies"),
     "workers": ("hpd_common.tables", "print the workers of a running registry"),
     "pools": ("hpd_common.tables", "print the pools of a running registry"),
+    "watch": ("hpd_common.tables", "follow the registry's change feed (--kind put,delete,...)"),
     "sessions": ("hpd_kvbroker.tables", "print the KV transfer sessions of a running broker"),
     "compat": ("hpd_kvbroker.tables", "print the prefill x decode KV compatibility of a model"),
     "routes": ("hpd_scheduler.tables", "print recent route records of a running scheduler"),
+    "drain": ("hpd_common.admin", "drain a worker: no new work, then it leaves (operator)"),
+    "cordon": ("hpd_common.admin", "cordon a worker: no new work, stays registered (operator)"),
+    "uncordon": ("hpd_common.admin", "clear a worker's cordon and drain (operator)"),
+    "deregister": ("hpd_common.admin", "take a worker out of the fleet now (operator)"),
+    "token": ("hpd_common.admin", "print a role's token from `hpd up --auth`"),
     "native": ("hpd_common.native", "compile the policy core with mypyc, or show its status"),
+    "fuzz": ("hpd_fleet.fuzz", "mutation-fuzz every RPC of a running control plane"),
 }
 
 # Table commands receive their own name first (one module serves several tables).
-TABLE_MODULES = {"hpd_common.tables", "hpd_kvbroker.tables"}
+TABLE_MODULES = {"hpd_common.tables", "hpd_kvbroker.tables", "hpd_common.admin"}
 
 
 def usage() -> str:
     lines = ["usage: hpd COMMAND [options]   (hpd COMMAND --help for its options)", "", "commands:"]
-    lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += [f"  {name:<11} {help_}" for name, (_, help_) in COMMANDS.items()]
     lines += [
         "",
         "examples:",
         "  hpd demo --duration 20 --no-serve        # a 20 s replay with its report, then exit",
         "  hpd up                                  # registry on :50051, embedded Redis in ./.hpd",
         "  hpd up --redis-url redis://host:6379/0  # against your own Redis",
-        "  hpd workers --registry 127.0.0.1:50051 --pool h100-prefill",
+        "  hpd workers --registry 127.0.0.1:50051 --pool h100-prefill-a",
+        "  hpd watch --kind put,delete               # the demo's fleet changing, without loads",
+        "  hpd up --auth && export HPD_TOKEN=$(hpd token operator)  # callers need tokens",
+        "  hpd drain d0 --reason 'kernel upgrade'   # the agent deregisters it once idle",
+        "  hpd agent --engine-url http://127.0.0.1:8000 --model-dir ./model --gpu-type L40S",
     ]
     return "\n".join(lines)
 
@@ -56,11 +75,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"hpd: unknown command {name!r}\n", file=sys.stderr)
         print(usage(), file=sys.stderr)
         return 2
+    # gRPC core's own log lines (absl's "before InitializeLog", "Got goaway") are noise for
+    # an operator; errors still come through. Set GRPC_VERBOSITY yourself to see more.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     module = importlib.import_module(COMMANDS[name][0])
     entry: Callable[..., int] = module.main
-    if module.__name__ in TABLE_MODULES:
-        return entry([name, *rest])
-    return entry(rest)
+    try:
+        if module.__name__ in TABLE_MODULES:
+            return entry([name, *rest])
+        return entry(rest)
+    except InvalidArgument as exc:  # a bad flag or environment setting, named
+        print(f"hpd {name}: {exc.field}: {exc.message}", file=sys.stderr)
+        return 2
+    except HpdError as exc:  # e.g. a state directory another `hpd up` owns
+        print(f"hpd {name}: {exc}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:
+        # `hpd workers -o json | head -1`: the reader left; that is not an error. Point
+        # stdout at /dev/null so the interpreter's final flush does not raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 from hpd_common import redis_conn
 from hpd_common.server import GrpcServer
@@ -44,6 +45,28 @@ class ControlPlaneSettings:
     scheduler_id: str = "demo"
     log_level: str = "warning"
     scheduler_extra: dict[str, object] = field(default_factory=dict)
+    # auth (hpd_common.auth): the tokens file every service checks callers against, and the
+    # token the scheduler and the broker present to the others ('' = auth off)
+    auth_tokens_file: str = ""
+    auth_open_reads: bool = True
+    service_token: str = ""
+    # mutual TLS (hpd_common.tlsgen makes a throwaway set): every server presents
+    # server_cert and asks clients for a certificate of ca; every client trusts ca and
+    # presents client_cert ('' = plaintext)
+    tls_ca_file: str = ""
+    tls_server_cert_file: str = ""
+    tls_server_key_file: str = ""
+    tls_client_cert_file: str = ""
+    tls_client_key_file: str = ""
+
+
+class _TlsSettings(TypedDict, total=False):
+    tls_cert_file: str
+    tls_key_file: str
+    tls_client_ca_file: str
+    call_ca_file: str
+    call_cert_file: str
+    call_key_file: str
 
 
 class ControlPlane:
@@ -76,6 +99,21 @@ class ControlPlane:
     def servers(self) -> list[GrpcServer]:
         return [x for x in (self.registry, self.kvbroker, self.scheduler) if x is not None]
 
+    def _tls(self) -> _TlsSettings:
+        """Each service's TLS settings: serve with the server cert, ask for client certs,
+        and call the others over TLS with the client cert."""
+        s = self.settings
+        if not s.tls_ca_file:
+            return _TlsSettings()
+        return _TlsSettings(
+            tls_cert_file=s.tls_server_cert_file,
+            tls_key_file=s.tls_server_key_file,
+            tls_client_ca_file=s.tls_ca_file,
+            call_ca_file=s.tls_ca_file,
+            call_cert_file=s.tls_client_cert_file,
+            call_key_file=s.tls_client_key_file,
+        )
+
     async def start(self) -> None:
         from hpd_kvbroker.__main__ import build_server as build_kvbroker
         from hpd_kvbroker.service import KvBrokerSettings
@@ -96,6 +134,9 @@ class ControlPlane:
                 sweep_interval_ms=s.sweep_interval_ms,
                 bookmark_interval_ms=s.bookmark_interval_ms,
                 log_level=s.log_level,
+                auth_tokens_file=s.auth_tokens_file,
+                auth_open_reads=s.auth_open_reads,
+                **self._tls(),
             ),
             redis_conn.connect(s.redis_url),
         )
@@ -112,6 +153,10 @@ class ControlPlane:
                 default_deadline_ms=s.session_deadline_ms,
                 sweep_interval_ms=s.sweep_interval_ms,
                 log_level=s.log_level,
+                auth_tokens_file=s.auth_tokens_file,
+                auth_open_reads=s.auth_open_reads,
+                **self._tls(),
+                call_token=s.service_token,
             ),
             redis_conn.connect(s.redis_url),
         )
@@ -130,6 +175,10 @@ class ControlPlane:
                 informer_max_backoff_ms=s.informer_max_backoff_ms,
                 scheduler_id=s.scheduler_id,
                 log_level=s.log_level,
+                auth_tokens_file=s.auth_tokens_file,
+                auth_open_reads=s.auth_open_reads,
+                **self._tls(),
+                call_token=s.service_token,
                 **s.scheduler_extra,  # type: ignore[arg-type]
             ),
             redis_conn.connect(s.redis_url),

@@ -5,18 +5,30 @@ package ships. It listens on 127.0.0.1 only, on a free port unless one is given,
 keeps an append-only file in its state directory when `persist` is set (fsync
 every second, as the shipped compose configuration does), and is stopped with
 its owner.
+
+One state directory, one server: `owner.json` in it names the server's pid, port and the
+owning process. On Linux the server gets SIGTERM when its owner dies, even by SIGKILL
+(`PR_SET_PDEATHSIG`), so it flushes its AOF and exits. A start that finds a live server of
+a live owner in the directory refuses (two writers on one AOF file corrupt it); one whose
+owner is gone (an orphan, say on a system without the death signal) is stopped with SIGTERM
+(its AOF complete) and replaced, so nothing acknowledged is lost.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from hpd_common.errors import Unavailable
 
@@ -43,6 +55,46 @@ def redis_server_binary() -> str:
     )
 
 
+def _load_prctl() -> Any:
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _load_prctl()  # resolved here: the forked child must not load libraries
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the parent dies (Linux; elsewhere nothing)."""
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _is_redis(pid: int) -> bool:
+    """Whether ``pid`` is a live redis-server (its command line, where /proc has it)."""
+    if not _alive(pid):
+        return False
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no /proc: trust the pid
+    if ") Z " in stat:  # a zombie waiting for its parent: gone for our purposes
+        return False
+    return b"redis-server" in cmd
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -53,11 +105,48 @@ def free_port() -> int:
 class EmbeddedRedis:
     """Start with `start()` (or as a context manager); `url` then points at it."""
 
-    def __init__(self, state_dir: Path, port: int = 0, persist: bool = True) -> None:
+    def __init__(
+        self, state_dir: Path, port: int = 0, persist: bool = True, die_with_owner: bool = True
+    ) -> None:
         self.state_dir = Path(state_dir)
         self.port = port or free_port()
         self.persist = persist
+        self.die_with_owner = die_with_owner
         self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def owner_file(self) -> Path:
+        return self.state_dir / "owner.json"
+
+    def _write_owner(self) -> None:
+        assert self._proc is not None
+        doc = {"redis_pid": self._proc.pid, "port": self.port, "owner_pid": os.getpid()}
+        tmp = self.owner_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc))
+        tmp.replace(self.owner_file)
+
+    def _take_over_orphan(self, timeout_s: float = 10.0) -> None:
+        """Refuse a live server of a live owner in our directory; stop an orphaned one."""
+        try:
+            doc = json.loads(self.owner_file.read_text())
+            pid, owner = int(doc["redis_pid"]), int(doc["owner_pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return
+        if not _is_redis(pid):
+            return
+        if owner != os.getpid() and _alive(owner):
+            raise Unavailable(
+                f"another process (pid {owner}) runs a Redis (pid {pid}, port "
+                f"{doc.get('port')}) on {self.state_dir}; stop it or use another state directory"
+            )
+        if owner == os.getpid():
+            raise Unavailable(f"this process already runs a Redis on {self.state_dir}")
+        os.kill(pid, signal.SIGTERM)  # an orphan: it flushes its AOF and exits
+        deadline = time.monotonic() + timeout_s
+        while _is_redis(pid):
+            if time.monotonic() > deadline:
+                raise Unavailable(f"an orphaned Redis (pid {pid}) on {self.state_dir} did not stop")
+            time.sleep(0.05)
 
     @property
     def url(self) -> str:
@@ -77,9 +166,18 @@ class EmbeddedRedis:
             "--appendonly", "yes" if self.persist else "no",
             "--appendfsync", "everysec",
         ]  # fmt: skip
+        self._take_over_orphan()
         self._proc = subprocess.Popen(
-            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            # the death signal follows the thread that forks: only from the main thread
+            preexec_fn=_die_with_parent
+            if self.die_with_owner and threading.current_thread() is threading.main_thread()
+            else None,
         )
+        self._write_owner()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
@@ -110,6 +208,8 @@ class EmbeddedRedis:
         proc, self._proc = self._proc, None
         if proc is None or proc.poll() is not None:
             return
+        with contextlib.suppress(OSError):
+            self.owner_file.unlink()
         proc.terminate()
         try:
             proc.wait(timeout=timeout_s)

@@ -26,6 +26,7 @@ import grpc
 from hetero_pd.v1 import registry_pb2 as r
 from hetero_pd.v1 import registry_pb2_grpc as r_grpc
 from hpd_common.aio import cancel_and_wait
+from hpd_common.channels import CallIdentity, aio_channel
 from hpd_common.clock import Clock, SystemClock
 from hpd_common.logging import get_logger
 from hpd_registry.convert import load_from_pb, spec_from_pb
@@ -90,14 +91,14 @@ class FleetInformer:
         model_id: str = "",
         on_change: Callable[[FleetChange], None] | None = None,
         clock: Clock | None = None,
-        credentials: grpc.ChannelCredentials | None = None,
+        identity: CallIdentity | None = None,
         max_backoff_s: float = 5.0,
     ) -> None:
         self.target = target
         self.model_id = model_id
         self.on_change = on_change
         self.clock = clock or SystemClock()
-        self._credentials = credentials
+        self._identity = identity
         self._max_backoff_s = max_backoff_s
         self.workers: dict[str, WorkerRecord] = {}
         self._pending: dict[str, WorkerRecord] = {}
@@ -142,11 +143,7 @@ class FleetInformer:
     async def _run(self) -> None:
         backoff = 0.1
         while True:
-            channel = (
-                grpc.aio.secure_channel(self.target, self._credentials, options=CLIENT_OPTIONS)
-                if self._credentials
-                else grpc.aio.insecure_channel(self.target, options=CLIENT_OPTIONS)
-            )
+            channel = aio_channel(self.target, self._identity, CLIENT_OPTIONS)
             try:
                 stub = r_grpc.RegistryServiceStub(channel)
                 call = stub.WatchWorkers(

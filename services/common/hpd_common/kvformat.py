@@ -60,6 +60,11 @@ of its memory on short sequences, so a value above 1024 is almost certainly a un
 """
 
 
+# Bounds well past any model built so far (the largest have about 130 layers, 128 KV heads
+# of dimension 256), so a record cannot describe a KV format no fleet model can size.
+_MAX_DIMENSION = {"num_layers": 4096, "num_kv_heads": 4096, "head_dim": 8192, "tp_size": 4096}
+
+
 class KvDtype(enum.StrEnum):
     """Element type of the stored K and V tensors."""
 
@@ -199,6 +204,9 @@ class KvFormat:
             value = getattr(self, name)
             if not _is_int(value) or value <= 0:
                 raise KvFormatError(name, f"must be a positive integer, got {value!r}")
+            top = _MAX_DIMENSION.get(name)
+            if top is not None and value > top:
+                raise KvFormatError(name, f"must be at most {top:,}, got {value:,}")
         block = self.block_size_tokens
         if block & (block - 1):
             raise KvFormatError("block_size_tokens", f"must be a power of two, got {block}")

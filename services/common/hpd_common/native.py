@@ -57,6 +57,7 @@ MODULES: tuple[str, ...] = (
     "hpd_scheduler.policy.mechanisms",
     "hpd_scheduler.policy.planner",
     "hpd_scheduler.policy.plugins",
+    "hpd_scheduler.policy.prefix",
     "hpd_scheduler.policy.serving",
 )
 """What is compiled: the policy core's decision path, where the time goes (the policy
@@ -294,7 +295,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if st.active:
             print(f"compiled modules are current ({len(st.modules)} modules)")
             return 0
-        print(f"compiling {len(MODULES)} modules with mypyc ({st.reason}) ...", flush=True)
+        why = "" if st.reason.startswith("not built") else f" ({st.reason})"
+        print(
+            f"compiling the policy core to C with mypyc{why}: {len(MODULES)} modules,"
+            " about a minute, once ...",
+            flush=True,
+        )
     else:
         print(f"compiling {len(MODULES)} modules with mypyc ...", flush=True)
     try:

@@ -62,13 +62,22 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
 ]
 
 
+def metadata_safe(value: str, limit: int = 256) -> str:
+    """A metadata value gRPC will send: printable ASCII, non-ASCII escaped (a field path can
+    hold a caller's label key; one emoji in a trailer made the status unsendable and left
+    the caller waiting for its deadline)."""
+    text = value.encode("ascii", "backslashreplace").decode("ascii")
+    text = "".join(ch if 32 <= ord(ch) < 127 else f"\\x{ord(ch):02x}" for ch in text)
+    return text[:limit]
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
     """The status code, message and trailing metadata for an exception."""
     for kind, code in _CODES:
         if isinstance(exc, kind):
             trailers: tuple[tuple[str, str], ...] = ()
             if isinstance(exc, errors.InvalidArgument):
-                trailers = (("hpd-field", exc.field),)
+                trailers = (("hpd-field", metadata_safe(exc.field)),)
             elif isinstance(exc, errors.ResourceExhausted) and exc.retry_after_ms:
                 trailers = (("retry-after-ms", str(exc.retry_after_ms)),)
             message = str(exc) or kind.__name__

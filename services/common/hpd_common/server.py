@@ -25,7 +25,9 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from hetero_pd.v1 import diagnostics_pb2, diagnostics_pb2_grpc
+from hpd_common import auth
 from hpd_common.aio import cancel_and_wait
+from hpd_common.channels import CallSettings
 from hpd_common.diagnostics import DiagnosticsApi
 from hpd_common.errors import InvalidArgument
 from hpd_common.logging import get_logger
@@ -38,7 +40,7 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 @dataclass(frozen=True, slots=True)
-class ServerSettings:
+class ServerSettings(CallSettings):
     """Settings every service has. Services subclass this and override the port default."""
 
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
@@ -51,6 +53,14 @@ class ServerSettings:
     tls_key_file: str = field(default="", metadata={"help": "PEM private key of the certificate"})
     tls_client_ca_file: str = field(
         default="", metadata={"help": "PEM CA bundle; when set, clients must present a cert (mTLS)"}
+    )
+    auth_tokens_file: str = field(
+        default="",
+        metadata={"help": "YAML file of bearer tokens and their roles; enables auth (README: "
+                  "Who may do what); unset, every caller may do everything"},
+    )  # fmt: skip
+    auth_open_reads: bool = field(
+        default=True, metadata={"help": "with auth on, read-only RPCs need no token"}
     )
     log_level: str = field(default="info", metadata={"help": "debug, info, warning or error"})
     json_logs: bool | None = field(default=None, metadata={"help": "JSON logs (default: no TTY)"})
@@ -197,7 +207,12 @@ class GrpcServer:
     async def start(self) -> int:
         """Binds, starts the component and the server; returns the bound port."""
         pin_grpc_aio_runtime()
-        server = grpc.aio.server(options=SERVER_OPTIONS)
+        interceptors = auth.interceptors_for(
+            self.settings.auth_tokens_file, self.settings.auth_open_reads
+        )
+        if not interceptors:
+            log.info("auth_off", service=self.name, detail="every caller may do everything")
+        server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
         self.component.add_to_server(server)
         diagnostics_pb2_grpc.add_DiagnosticsServiceServicer_to_server(
             DiagnosticsApi(self.redis), server
@@ -229,6 +244,7 @@ class GrpcServer:
             address=f"{self.settings.host}:{self.port}",
             tls=creds is not None,
             mtls=bool(self.settings.tls_client_ca_file),
+            auth=bool(interceptors),
         )
         return self.port
 

@@ -36,7 +36,9 @@ def _field_type(cls: type[Any], field: dataclasses.Field[Any]) -> type[Any]:
     return hint
 
 
-def _coerce(name: str, kind: type[Any], raw: Any) -> Any:
+def coerce(name: str, kind: type[Any], raw: Any) -> Any:
+    """``raw`` (a YAML value or an environment string) as ``kind``; InvalidArgument naming
+    ``name`` when it is not one (booleans: 1/0, true/false, yes/no, on/off)."""
     if raw is None:
         return None
     try:
@@ -116,7 +118,7 @@ def load_settings(
     if overrides:
         values.update(overrides)
     coerced = {
-        name: _coerce(name, _field_type(cls, fields[name]), raw) for name, raw in values.items()
+        name: coerce(name, _field_type(cls, fields[name]), raw) for name, raw in values.items()
     }
     return cls(**coerced)
 

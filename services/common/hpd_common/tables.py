@@ -1,9 +1,11 @@
-"""`hpd workers` and `hpd pools`: tables from a running registry, as `kubectl get` prints."""
+"""`hpd workers` and `hpd pools`: tables from a running registry, as `kubectl get` prints;
+`hpd watch`: the registry's change feed, one line per event."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -14,6 +16,7 @@ from google.protobuf.json_format import MessageToDict
 from hetero_pd.v1 import common_pb2 as c
 from hetero_pd.v1 import registry_pb2 as r
 from hetero_pd.v1 import registry_pb2_grpc as r_grpc
+from hpd_common.channels import CallIdentity, sync_channel
 
 
 def render(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -115,10 +118,115 @@ def pool_rows(pools: Sequence[c.PoolSummary]) -> list[list[str]]:
     ]
 
 
+WATCH_KINDS = {
+    name.removeprefix("WATCH_EVENT_TYPE_").lower(): value
+    for name, value in r.WatchEventType.items()
+    if value != r.WATCH_EVENT_TYPE_UNSPECIFIED
+}
+
+
+def watch_kinds(text: str) -> list[int]:
+    """``put,delete`` -> the event types; an unknown name is an error naming the known ones."""
+    out = []
+    for raw in text.split(","):
+        name = raw.strip().lower()
+        if not name:
+            continue
+        if name not in WATCH_KINDS:
+            raise argparse.ArgumentTypeError(
+                f"unknown event kind {name!r} (known: {', '.join(WATCH_KINDS)})"
+            )
+        out.append(WATCH_KINDS[name])
+    return out
+
+
+def event_line(ev: r.WorkerEvent) -> str:
+    """One event as a line: revision, kind, worker and what the kind says."""
+    kind = r.WatchEventType.Name(ev.type).removeprefix("WATCH_EVENT_TYPE_").lower()
+    w = ev.worker
+    if ev.type in (r.WATCH_EVENT_TYPE_SNAPSHOT, r.WATCH_EVENT_TYPE_PUT):
+        what = f"pool={w.capability.pool_id} health={_health(w.status.health).lower()}"
+    elif ev.type == r.WATCH_EVENT_TYPE_LOAD:
+        ld = w.load
+        what = f"queue={ld.queue_depth} batch={ld.batch_size} kv_free_blocks={ld.kv_blocks_free}"
+    elif ev.type == r.WATCH_EVENT_TYPE_DELETE:
+        what = f"reason={ev.reason or '-'}"
+    else:
+        what = ev.reason
+    return f"{ev.revision:>8}  {kind:<12} {ev.worker_id or '-':<20} {what}".rstrip()
+
+
+def watch_main(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="hpd watch",
+        description="Follow the registry's change feed (WatchWorkers), one line per event.",
+        epilog="examples:\n"
+        "  hpd watch                        # snapshot, then every change\n"
+        "  hpd watch --kind put,delete      # registrations, health changes, departures\n"
+        "  hpd watch --kind load --model llama-3-8b -o json\n"
+        f"kinds: {', '.join(WATCH_KINDS)} (a resync always comes through)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--registry",
+        default=os.environ.get("HPD_REGISTRY", "127.0.0.1:50051"),
+        help="registry address host:port (env HPD_REGISTRY)",
+    )
+    p.add_argument("--model", default="", help="only workers of this model")
+    p.add_argument(
+        "--kind", type=watch_kinds, default=[], help="only these event kinds, comma-separated"
+    )
+    p.add_argument("--from-revision", type=int, default=0, help="replay after this revision")
+    p.add_argument(
+        "--count", type=int, default=0, help="stop after this many events of the kinds asked for"
+    )
+    p.add_argument("-o", "--output", choices=["line", "json"], default="line")
+    args = p.parse_args(argv)
+    seen = 0
+    try:
+        with sync_channel(args.registry, CallIdentity.from_env()) as channel:
+            stream = r_grpc.RegistryServiceStub(channel).WatchWorkers(
+                r.WatchWorkersRequest(
+                    from_revision=args.from_revision, model_id=args.model, event_types=args.kind
+                ),
+                wait_for_ready=True,
+            )
+            asked = set(args.kind)
+            for resp in stream:
+                for ev in resp.events:
+                    # the registry always sends snapshot_end and resync; a person asked for
+                    # other kinds, and sees only a resync (the view starts over)
+                    if asked and ev.type not in asked and ev.type != r.WATCH_EVENT_TYPE_RESYNC:
+                        continue
+                    if args.output == "json":
+                        doc = MessageToDict(ev, preserving_proto_field_name=True)
+                        print(json.dumps(doc, separators=(",", ":")), flush=True)
+                    else:
+                        print(event_line(ev), flush=True)
+                    seen += not asked or ev.type in asked
+                    if args.count and seen >= args.count:
+                        stream.cancel()
+                        return 0
+    except KeyboardInterrupt:
+        return 0
+    except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.CANCELLED and args.count and seen >= args.count:
+            return 0
+        print(f"hpd watch: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: Sequence[str]) -> int:
     what, rest = argv[0], argv[1:]
+    if what == "watch":
+        return watch_main(rest)
     p = argparse.ArgumentParser(prog=f"hpd {what}", description=f"List the {what} of a registry.")
-    p.add_argument("--registry", default="127.0.0.1:50051", help="registry address host:port")
+    p.add_argument(
+        "--registry",
+        default=os.environ.get("HPD_REGISTRY", "127.0.0.1:50051"),
+        help="registry address host:port (env HPD_REGISTRY)",
+    )
     p.add_argument("--timeout", type=float, default=5.0, help="RPC deadline in seconds")
     p.add_argument("-o", "--output", choices=["table", "json"], default="table")
     p.add_argument("--model", default="", help="only this model")
@@ -126,7 +234,7 @@ def main(argv: Sequence[str]) -> int:
         p.add_argument("--pool", default="", help="only this pool")
     args = p.parse_args(rest)
     try:
-        with grpc.insecure_channel(args.registry) as channel:
+        with sync_channel(args.registry, CallIdentity.from_env()) as channel:
             stub = r_grpc.RegistryServiceStub(channel)
             if what == "workers":
                 workers: list[c.Worker] = []
@@ -143,7 +251,12 @@ def main(argv: Sequence[str]) -> int:
                     if not token:
                         break
                 if args.output == "json":
-                    print(json.dumps([MessageToDict(w) for w in workers], indent=2))
+                    print(
+                        json.dumps(
+                            [MessageToDict(w, preserving_proto_field_name=True) for w in workers],
+                            indent=2,
+                        )
+                    )
                 else:
                     print(render(WORKER_HEADERS, worker_rows(workers, int(time.time() * 1000))))
             else:
@@ -151,7 +264,9 @@ def main(argv: Sequence[str]) -> int:
                     r.ListPoolsRequest(model_id=args.model), timeout=args.timeout
                 )
                 if args.output == "json":
-                    print(json.dumps(MessageToDict(pools), indent=2))
+                    print(
+                        json.dumps(MessageToDict(pools, preserving_proto_field_name=True), indent=2)
+                    )
                 else:
                     print(render(POOL_HEADERS, pool_rows(pools.pools)))
     except grpc.RpcError as exc:

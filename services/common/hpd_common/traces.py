@@ -185,11 +185,17 @@ def reshape(
     max_requests: int | None = None,
     time_scale: float = 1.0,
     name: str | None = None,
+    rate_scale_end: float | None = None,
 ) -> Trace:
     """Rate-scale, cut and time-scale a trace (module docstring); returns a new :class:`Trace`.
 
     ``arrival' = arrival / rate_scale / time_scale``; the duration cut applies to
     ``arrival / rate_scale`` (trace seconds at the new rate, before emulation speed-up).
+
+    With ``rate_scale_end`` (and ``duration_s``) the rate is a ramp instead: ``rate_scale``
+    x the trace's at the start, rising linearly in replay time to ``rate_scale_end`` x at
+    ``duration_s``. Replay time ``t`` of trace time ``s`` solves
+    ``s = a t + (b - a) t^2 / (2 D)`` (the integral of the multiplier).
     """
     if not rate_scale > 0 or not math.isfinite(rate_scale):
         raise ValueError(f"rate_scale must be > 0, got {rate_scale}")
@@ -199,10 +205,24 @@ def reshape(
         raise ValueError(f"duration_s must be >= 0, got {duration_s}")
     if max_requests is not None and max_requests < 0:
         raise ValueError(f"max_requests must be >= 0, got {max_requests}")
+    if rate_scale_end is not None:
+        if not rate_scale_end > 0 or not math.isfinite(rate_scale_end):
+            raise ValueError(f"rate_scale_end must be > 0, got {rate_scale_end}")
+        if not duration_s:
+            raise ValueError("a rate ramp needs duration_s")
     reqs: Iterable[TraceRequest] = trace.requests if isinstance(trace, Trace) else trace
     out: list[TraceRequest] = []
+    ramp = 0.0
+    if rate_scale_end is not None and duration_s:
+        ramp = (rate_scale_end - rate_scale) / (2.0 * duration_s)
     for r in reqs:
-        t = r.arrival_s / rate_scale
+        if ramp:
+            disc = rate_scale**2 + 4.0 * ramp * r.arrival_s
+            if disc < 0:  # a falling ramp that never reaches this request
+                break
+            t = (math.sqrt(disc) - rate_scale) / (2.0 * ramp)
+        else:
+            t = r.arrival_s / rate_scale
         if duration_s is not None and t >= duration_s:
             break
         if max_requests is not None and len(out) >= max_requests:

@@ -10,14 +10,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import signal
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
+import yaml
+
+from hpd_common import auth
 from hpd_common.controlplane import ControlPlane, ControlPlaneSettings
 from hpd_common.embedded_redis import EmbeddedRedis
+from hpd_common.errors import InvalidArgument
 from hpd_common.logging import configure_logging, get_logger
 from hpd_common.metrics import serve_metrics
+from hpd_common.settings import coerce
 
 log = get_logger("up")
 
@@ -29,6 +36,12 @@ def parser() -> argparse.ArgumentParser:
         "machine, in one process.",
         epilog="Then try: grpcurl -plaintext 127.0.0.1:50051 list",
     )
+    p.add_argument(
+        "--config",
+        default="",
+        help="YAML file of these settings (keys: the flags' names with _); flags win over "
+        "HPD_<FLAG> environment variables, which win over the file",
+    )
     p.add_argument("--redis-url", default="", help="use this Redis instead of an embedded one")
     p.add_argument("--state-dir", default=".hpd", help="embedded Redis data (AOF) directory")
     p.add_argument("--redis-port", type=int, default=0, help="embedded Redis port (0 = free port)")
@@ -38,9 +51,55 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kvbroker-port", type=int, default=50053)
     p.add_argument("--metrics-port", type=int, default=9451, help="Prometheus port (0 = off)")
     p.add_argument("--lease-ttl-ms", type=int, default=10_000, help="default worker lease")
+    p.add_argument(
+        "--auth",
+        action="store_true",
+        help="check every caller's bearer token (roles worker, gateway, scheduler, operator): "
+        "a tokens file with one fresh token per role is made in --state-dir on first use "
+        "(mode 0600) and kept; callers send `authorization: Bearer <token>` (hpd CLI and "
+        "agents: HPD_TOKEN)",
+    )
+    p.add_argument(
+        "--auth-tokens-file",
+        default="",
+        help="check callers against this tokens file instead (implies --auth; it must hold a "
+        "plain `token` of role scheduler, which the scheduler and broker present)",
+    )
+    p.add_argument(
+        "--closed-reads",
+        action="store_true",
+        help="with auth, read-only RPCs need a token too (default: reads are open)",
+    )
+    p.add_argument(
+        "--tls",
+        action="store_true",
+        help="run every service on mutual TLS with a throwaway CA made in --state-dir/tls "
+        "(reused while valid); clients trust tls/ca.pem and present tls/client.pem + "
+        "tls/client.key (hpd CLI and agents: HPD_CA_FILE, HPD_CERT_FILE, HPD_KEY_FILE)",
+    )
     p.add_argument("--log-level", default="info")
     p.add_argument("--json-logs", action=argparse.BooleanOptionalAction, default=None)
     return p
+
+
+def _auth(args: argparse.Namespace) -> tuple[str, str]:
+    """(tokens file, the scheduler-role token the services present), or ('', '') for off."""
+    if args.auth_tokens_file:
+        path = Path(args.auth_tokens_file)
+    elif args.auth:
+        path = Path(args.state_dir).resolve() / "tokens.yaml"
+        if not path.exists():
+            auth.write_tokens_file(path)
+            print(f"hpd: wrote a token per role to {path} (keep it secret)", flush=True)
+    else:
+        return "", ""
+    auth.TokenBook.load(path)  # a bad file is refused here, naming the entry
+    token = auth.read_tokens_file(path).get(auth.Role.SCHEDULER, "")
+    if not token:
+        raise SystemExit(
+            f"hpd up: {path} has no plain `token` of role scheduler for the services to present"
+        )
+    return str(path), token
 
 
 async def _serve(args: argparse.Namespace, redis_url: str) -> None:
@@ -49,6 +108,19 @@ async def _serve(args: argparse.Namespace, redis_url: str) -> None:
     from hpd_scheduler.service import SchedulerSettings
 
     reg, kvb, sch = RegistrySettings(), KvBrokerSettings(), SchedulerSettings()
+    tokens_file, service_token = _auth(args)
+    tls: dict[str, str] = {}
+    if args.tls:
+        from hpd_common.tlsgen import ensure_pki
+
+        pki = await asyncio.to_thread(ensure_pki, Path(args.state_dir) / "tls", [args.host])
+        tls = {
+            "tls_ca_file": str(pki.ca),
+            "tls_server_cert_file": str(pki.server_cert),
+            "tls_server_key_file": str(pki.server_key),
+            "tls_client_cert_file": str(pki.client_cert),
+            "tls_client_key_file": str(pki.client_key),
+        }
     cp = ControlPlane(
         ControlPlaneSettings(  # the services' own defaults: this is the long-lived setup
             redis_url=redis_url,
@@ -68,6 +140,10 @@ async def _serve(args: argparse.Namespace, redis_url: str) -> None:
             informer_max_backoff_ms=sch.informer_max_backoff_ms,
             scheduler_id=sch.scheduler_id,
             log_level=args.log_level,
+            auth_tokens_file=tokens_file,
+            auth_open_reads=not args.closed_reads,
+            service_token=service_token,
+            **tls,  # type: ignore[arg-type]
         )
     )
     stop = asyncio.Event()
@@ -83,6 +159,16 @@ async def _serve(args: argparse.Namespace, redis_url: str) -> None:
             ("kvbroker", cp.kvbroker_target),
         ):
             print(f"hpd: {name} listening on {target}", flush=True)
+        if tls:
+            print(
+                f"hpd: mutual TLS on; clients: HPD_CA_FILE={tls['tls_ca_file']} "
+                f"HPD_CERT_FILE={tls['tls_client_cert_file']} "
+                f"HPD_KEY_FILE={tls['tls_client_key_file']}",
+                flush=True,
+            )
+        if tokens_file:
+            reads = "need a token" if args.closed_reads else "are open"
+            print(f"hpd: auth on (tokens: {tokens_file}); reads {reads}", flush=True)
         print(f"hpd: state store {redis_url}; Ctrl-C to stop", flush=True)
         await stop.wait()
         log.info("shutdown_requested")
@@ -90,8 +176,45 @@ async def _serve(args: argparse.Namespace, redis_url: str) -> None:
         await cp.stop(grace_s=None)
 
 
+def parse(argv: Sequence[str] | None, env: Mapping[str, str] | None = None) -> argparse.Namespace:
+    """Flags over ``HPD_<FLAG>`` environment variables over a ``--config`` YAML file (keys
+    are the flags' names with ``_``) over the defaults, as every service reads its settings."""
+    env = os.environ if env is None else env
+    p = parser()
+    first, _ = p.parse_known_args(argv)
+    values: dict[str, Any] = {}
+    config = first.config or env.get("HPD_CONFIG", "")
+    if config:
+        try:
+            doc = yaml.safe_load(Path(config).read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise InvalidArgument("config", f"cannot read {config}: {exc}") from exc
+        if not isinstance(doc, dict):
+            raise InvalidArgument("config", f"{config} must hold a mapping of settings")
+        values.update({str(k).replace("-", "_"): v for k, v in doc.items()})
+    for action in p._actions:
+        name = "HPD_" + action.dest.upper()
+        if action.dest not in ("help", "config") and env.get(name, ""):
+            values[action.dest] = env[name]
+    known = {a.dest: a for a in p._actions}
+    defaults: dict[str, Any] = {}
+    for key, raw in values.items():
+        found = known.get(key)
+        if found is None or key in ("help", "config"):
+            raise InvalidArgument(f"config.{key}", f"unknown setting; known: {sorted(known)}")
+        defaults[key] = _typed(key, found, raw)
+    p.set_defaults(**defaults)
+    return p.parse_args(argv)
+
+
+def _typed(key: str, action: argparse.Action, raw: Any) -> Any:
+    flag = action.nargs == 0  # --auth, --tls, --closed-reads: booleans
+    kind: Any = bool if flag else (action.type if callable(action.type) else str)
+    return coerce(key, kind, raw)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    args = parse(argv)
     configure_logging(args.log_level, args.json_logs)
     serve_metrics(args.metrics_port, args.host)
     if args.redis_url:

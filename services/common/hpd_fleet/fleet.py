@@ -1,6 +1,6 @@
 """An emulated heterogeneous fleet: many emulated workers in one process, each an
 :class:`~hpd_fleet.engine.EmulatedEngine` joined to the control plane by its own
-:class:`~hpd_fleet.client.WorkerClient`.
+:class:`~hpd_agent.worker_client.WorkerClient`.
 
 The fleet is described by the simulator's cluster document (``hpd_scheduler.sim.cluster``:
 pools of GPUs with TP, stage, zone/rack, KV format, link classes), so the demo, the emulated
@@ -31,6 +31,7 @@ from pathlib import Path
 import grpc
 
 from hetero_pd.v1 import common_pb2 as c
+from hpd_agent.worker_client import ClientTiming, WorkerClient
 from hpd_common import perfmodel
 from hpd_common.clock import Clock
 from hpd_common.gpus import gpu_profile
@@ -39,7 +40,6 @@ from hpd_registry.convert import kv_format_to_pb
 from hpd_scheduler.policy import Link, Stage, WorkerView
 from hpd_scheduler.sim.cluster import ClusterSpec, load_cluster
 
-from .client import ClientTiming, WorkerClient
 from .engine import EmulatedEngine, EmuTime, EngineSpec
 
 __all__ = [

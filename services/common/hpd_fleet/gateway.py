@@ -53,10 +53,10 @@ import grpc
 from hetero_pd.v1 import kvbroker_pb2 as kb
 from hetero_pd.v1 import scheduler_pb2 as s
 from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
+from hpd_agent.worker_client import SessionEnded, WorkerGone
 from hpd_common.logging import get_logger
 from hpd_common.traces import Trace, TraceRequest
 
-from .client import SessionEnded, WorkerGone
 from .engine import EmuTime, WorkerLost
 from .fleet import EmulatedWorker, Fleet
 

@@ -32,8 +32,9 @@ def render(gateway: Gateway, fleet: Fleet, elapsed_s: float) -> list[str]:
     """The lines of the live block."""
     st = gateway.stats
     lines = [
-        f"{_bar(st.done, st.total)} requests   completed {st.completed}  rejected {st.rejected}"
-        f"  failed {st.failed}  in flight {st.inflight}   t={elapsed_s:5.1f}s",
+        f"{_bar(st.done, st.total)} requests ended: {st.completed} completed,"
+        f" {st.rejected} rejected, {st.failed} failed; {st.inflight} in flight"
+        f"   t={elapsed_s:5.1f}s",
         f"{'pool':<16}{'gpu':<10}{'stage':<9}{'up':>5}{'queue':>7}{'batch':>7}{'KV used':>9}"
         f"{'util':>7}",
     ]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import json
 import math
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,12 @@ def _group(
         "failures": dict(collections.Counter(r.reason for r in records if r.status == "failed")),
         "serving_actions": dict(
             collections.Counter(r.serving_action for r in records if r.serving_action)
+        ),
+        # completed requests per pool (a pool counts once per request, whatever its stages)
+        "pools": dict(
+            collections.Counter(
+                pool for r in done for pool in {r.prefill_pool, r.decode_pool} if pool
+            )
         ),
     }
 
@@ -173,7 +180,68 @@ def format_report(report: Mapping[str, Any]) -> str:
             f"fleet price ${report['price_per_hour_usd']:.2f}/h (assumed); goodput per $/h: "
             f"{o['goodput_per_dollar_hour']:.3f} req/s"
         )
+    lines += ["", narrative(report)]
     return "\n".join(lines)
+
+
+_MODE_WORDS = {
+    "transfer": "prefilled on one pool and moved their KV cache to a decode pool (transfer)",
+    "recompute": "were prefilled again by their decode worker, because KV in the prefill "
+    "side's format could not reach it or could not arrive sooner (recompute)",
+    "same_pool": "ran both stages on one worker of a pool that serves both (same pool)",
+}
+
+
+def narrative(report: Mapping[str, Any]) -> str:
+    """A short "what just happened" paragraph for the end of the report, in plain words."""
+    acc, o = report["accounting"], report["overall"]
+    ramp = ""
+    if report.get("rate_scale_end"):
+        ramp = (
+            f", at a rate rising from {report['rate_scale']:g} x to "
+            f"{report['rate_scale_end']:g} x the trace's"
+        )
+    out = [
+        f"What just happened: {acc['requests']} requests of the trace arrived over "
+        f"{report['replay_s']:.0f} emulated seconds{ramp}; {acc['completed']} completed, "
+        f"{acc['rejected']} were refused and {acc['failed']} failed."
+    ]
+    modes = o.get("modes") or {}
+    if modes:
+        parts = [
+            f"{n} {_MODE_WORDS.get(m, m)}" for m, n in sorted(modes.items(), key=lambda kv: -kv[1])
+        ]
+        out.append("Of the completed ones, " + "; ".join(parts) + ".")
+    workers = report.get("workers") or {}
+    pools = sorted({w["pool"] for w in workers.values()}) if workers else []
+    used = o.get("pools") or {}
+    if pools:
+        busy = ", ".join(f"{p} {used[p]}" for p in sorted(used, key=lambda p: -used[p]))
+        idle = [p for p in pools if p not in used]
+        out.append(
+            f"{len(used)} of the {len(pools)} pools served requests ({busy})"
+            + (f"; idle: {', '.join(idle)}." if idle else ".")
+        )
+    fallbacks = o.get("fallbacks") or {}
+    if fallbacks:
+        out.append(
+            f"{sum(fallbacks.values())} requests left their first plan for a fallback step "
+            f"({_counts(fallbacks)}): a worker or link failed under them, or a pool filled."
+        )
+    rejects = o.get("rejects") or {}
+    if rejects:
+        out.append(f"Refusals by reason: {_counts(rejects)}.")
+    for f in report.get("faults") or ():
+        if str(f).startswith("Redis stopped") and rejects.get("no_capable_worker"):
+            lease = report.get("lease_ttl_ms")
+            out.append(
+                f"{f}"
+                + (f"; the demo's worker lease is {lease / 1000:g} s" if lease else "")
+                + ", and leases run out while no heartbeat can renew them: the fleet was"
+                " empty until the workers registered again, which is what the"
+                " no_capable_worker refusals are."
+            )
+    return "\n".join(textwrap.wrap(" ".join(out), width=92))
 
 
 def write_report(report: Mapping[str, Any], records: Sequence[RequestRecord], out: Path) -> Path:
@@ -196,31 +264,57 @@ def plot_report(records: Sequence[RequestRecord], report: Mapping[str, Any], out
     except ImportError:
         return "matplotlib is not installed: no PNG plots written (pip install matplotlib)"
     out.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    for tier in sorted({r.tier for r in records}):
-        xs = sorted(r.ttft_ms for r in records if r.tier == tier and r.completed)
-        if xs:
-            ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=tier)
-    ax.set_xscale("log")
     from matplotlib.ticker import NullFormatter
 
+    fig, ax = plt.subplots(figsize=(7.0, 4.4))
+    slos = {t: g.get("slo") for t, g in report.get("tiers", {}).items()}
+    for tier in sorted({r.tier for r in records}):
+        xs = sorted(r.ttft_ms for r in records if r.tier == tier and r.completed)
+        if not xs:
+            continue
+        (line,) = ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=tier)
+        slo = slos.get(tier)
+        if slo:  # the tier's TTFT target, in the tier's colour
+            ax.axvline(
+                slo["ttft_ms"], color=line.get_color(), linestyle="--", linewidth=1,
+                label=f"{tier} TTFT SLO {slo['ttft_ms']:g} ms",
+            )  # fmt: skip
+    ax.set_xscale("log")
     done = [r.ttft_ms for r in records if r.completed and r.ttft_ms > 0]
-    lo, hi = (min(done), max(done)) if done else (1.0, 1000.0)
+    targets = [v["ttft_ms"] for v in slos.values() if v]
+    lo, hi = (min(done + targets), max(done + targets)) if done else (1.0, 1000.0)
     ticks = [m * 10**e for e in range(-1, 7) for m in (1, 2, 5) if lo <= m * 10**e <= hi]
     ax.set_xticks(ticks, [f"{t:g}" for t in ticks])  # 20, 50, 100, 200, ... ms
     ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.set_xlabel("TTFT (emulated ms)")
-    ax.set_ylabel("share of completed requests")
+    ax.set_xlabel("time to first token (ms, emulated; log scale)")
+    ax.set_ylabel("share of the tier's completed requests")
+    ax.set_title("TTFT by tier, with each tier's TTFT target (dashed)")
     ax.grid(True, alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(out / "ttft_cdf.png", dpi=120)
     plt.close(fig)
-    modes = report["overall"]["modes"]
-    fig, ax = plt.subplots(figsize=(5.0, 3.2))
-    ax.bar(list(modes), list(modes.values()))
-    ax.set_ylabel("requests")
-    ax.set_title("hand-off mode used")
+    # requests per decode pool, stacked by the hand-off mode really used
+    per_pool: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    for r in records:
+        if r.completed and r.decode_pool:
+            per_pool[r.decode_pool][r.mode_used or "?"] += 1
+    workers = report.get("workers") or {}
+    decoding = {w["pool"] for w in workers.values() if w.get("stage") != "prefill"}
+    pools = sorted(decoding | set(per_pool))
+    modes = sorted({m for c in per_pool.values() for m in c})
+    fig, ax = plt.subplots(figsize=(7.0, 3.8))
+    bottom = [0] * len(pools)
+    for mode in modes:
+        heights = [per_pool[p][mode] for p in pools]
+        ax.bar(pools, heights, bottom=bottom, label=mode)
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    ax.set_ylabel("completed requests")
+    ax.set_xlabel("decode pool (prefill-only pools hand their KV to these)")
+    ax.set_title("where requests decoded, by hand-off mode")
+    ax.tick_params(axis="x", labelrotation=20, labelsize=8)
+    if modes:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "modes.png", dpi=120)
     plt.close(fig)

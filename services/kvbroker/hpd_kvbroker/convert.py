@@ -96,7 +96,12 @@ def session_to_pb(s: Session, out: k.KvSession | None = None) -> k.KvSession:
 
 
 def caller_from_pb(m: k.SessionCaller) -> Caller:
-    return Caller(worker_id=m.worker_id, credential=m.credential, scheduler_token=m.scheduler_token)
+    return Caller(
+        worker_id=m.worker_id,
+        credential=m.credential,
+        scheduler_token=m.scheduler_token,
+        gateway_token=m.gateway_token,
+    )
 
 
 def matrix_to_pb(v: MatrixView, revision: int) -> k.GetCompatibilityMatrixResponse:

@@ -107,6 +107,8 @@ reported (NEGOTIATED, RESERVED), reserve once bytes move, and anything leaving a
 state (terminal states are final; EXPIRED has no retry at all)."""
 
 SCHEDULER_OPS = frozenset({Op.ABORT})
+GATEWAY_OPS = frozenset({Op.PROGRESS, Op.COMPLETE, Op.FAIL, Op.ABORT})
+"""What the gateway may do to a session it runs (it may not open one or reserve memory)."""
 """Operations the scheduler (token holder) may perform besides opening; the rest need one
 of the session's two workers."""
 

@@ -27,7 +27,9 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
+from hpd_common import auth
 from hpd_common.aio import cancel_and_wait
+from hpd_common.auth import Role
 from hpd_common.clock import Clock
 from hpd_common.errors import (
     AlreadyExists,
@@ -51,6 +53,7 @@ from hpd_common.server import ServerSettings
 from hpd_common.settings import split_csv
 from hpd_kvbroker import metrics
 from hpd_kvbroker.domain import (
+    GATEWAY_OPS,
     SCHEDULER_OPS,
     Op,
     Session,
@@ -93,6 +96,13 @@ class KvBrokerSettings(ServerSettings):
         metadata={
             "help": "secret the scheduler presents to open and abort sessions; empty = "
             "anyone may open and abort without a credential (development only)"
+        },
+    )
+    gateway_token: str = field(
+        default="",
+        metadata={
+            "help": "secret the gateway presents to report a session's progress, completion "
+            "or failure; empty = anyone may (development only)"
         },
     )
     default_deadline_ms: int = field(default=30_000, metadata={"help": "session deadline if unset"})
@@ -143,11 +153,12 @@ def policy_from(settings: KvBrokerSettings) -> KvPolicy:
 
 @dataclass(frozen=True, slots=True)
 class Caller:
-    """Who calls: a worker (id + registry credential) or the scheduler (token)."""
+    """Who calls: a worker (id + registry credential), the scheduler or the gateway (tokens)."""
 
     worker_id: str = ""
     credential: str = ""
     scheduler_token: str = ""
+    gateway_token: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,7 +237,10 @@ class KvBrokerService:
         self.informer: FleetInformer | None = None
         if settings.registry_target:
             self.informer = FleetInformer(
-                settings.registry_target, on_change=self._on_fleet_change, clock=clock
+                settings.registry_target,
+                on_change=self._on_fleet_change,
+                clock=clock,
+                identity=settings.call_identity(),
             )
         self._watchers: dict[str, set[asyncio.Queue[Session | None]]] = {}  # None: end
         self._draining = False  # the server is stopping: watches end (`drain`)
@@ -340,6 +354,26 @@ class KvBrokerService:
     def _authenticate(self, caller: Caller, op: Op | None) -> tuple[str, str]:
         """(actor, credential hash): actor '' is the scheduler. op None = opening."""
         scheduler_may = op is None or op in SCHEDULER_OPS
+        who = auth.current()  # None: auth is off (these RPCs are never open reads)
+        if who is not None and not caller.worker_id:
+            # the bearer token already proved the role (hpd_common.auth.ACCESS); the
+            # in-message tokens are the older way to say the same and are not needed
+            if who.role is Role.GATEWAY and (op is None or op not in GATEWAY_OPS):
+                raise PermissionDenied("the gateway may not do this (only its workers may)")
+            if who.role is Role.SCHEDULER and not scheduler_may:
+                raise PermissionDenied("only the session's workers may do this, not the scheduler")
+            if who.role is Role.WORKER:
+                raise InvalidArgument(
+                    "caller.worker_id", "is required: a worker acts with its id and credential"
+                )
+            return "", ""
+        if caller.gateway_token:
+            if op is None or op not in GATEWAY_OPS:
+                raise PermissionDenied("the gateway may not do this (only its workers may)")
+            token = self.settings.gateway_token
+            if token and not hmac.compare_digest(token.encode(), caller.gateway_token.encode()):
+                raise PermissionDenied("gateway token does not match")
+            return "", ""
         if caller.scheduler_token:
             if not scheduler_may:
                 raise PermissionDenied("only the session's workers may do this, not the scheduler")

@@ -136,15 +136,27 @@ local function expiry_reason(s)
   if tonumber(s.dl) < now then return 'deadline_exceeded' end
   return 'session_lease_expired'
 end
+-- a worker's lease as the registry judges it, its post-outage grace included (the
+-- registry's keys.py: a lease that ran out while no registry could write to Redis stays
+-- live until its worker's next heartbeat), so a KV session and its parties' credentials
+-- outlive a Redis outage exactly as the registration does
+local function lease_ok(exp)
+  if exp >= now then return true end
+  local g = redis.call('HMGET', '@RG@', 'from', 'until', 'alive', 'gap')
+  local from, untl = tonumber(g[1] or '0') or 0, tonumber(g[2] or '0') or 0
+  local alive, gap = tonumber(g[3] or '0') or 0, tonumber(g[4] or '0') or 0
+  if now < untl and exp >= from then return true end
+  return alive > 0 and gap > 0 and now - alive > gap and exp >= alive
+end
 local function live(wid)
   local exp = redis.call('HGET', RW .. wid, 'exp')
-  return exp and tonumber(exp) >= now
+  return exp and lease_ok(tonumber(exp))
 end
 local function authorized(actor, cred, src, dst)
   if actor == '' then return 'ok' end
   if actor ~= src and actor ~= dst then return 'not_party' end
   local w = redis.call('HMGET', RW .. actor, 'cred', 'exp')
-  if not w[1] or w[1] ~= cred or tonumber(w[2] or '0') < now then return 'denied' end
+  if not w[1] or w[1] ~= cred or not lease_ok(tonumber(w[2] or '0')) then return 'denied' end
   return 'ok'
 end
 """
@@ -489,6 +501,7 @@ class SessionStore:
             "@RP@": self.keys.request_prefix,
             "@OP@": self.keys.open_prefix,
             "@RW@": self.registry_keys.worker_prefix,
+            "@RG@": self.registry_keys.grace,
             "@RETAIN@": str(int(self.retention_ms)),
             "@FEEDMAX@": str(int(self.feed_max_len)),
         }

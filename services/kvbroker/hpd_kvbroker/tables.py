@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -17,6 +18,7 @@ from google.protobuf.json_format import MessageToDict
 
 from hetero_pd.v1 import kvbroker_pb2 as k
 from hetero_pd.v1 import kvbroker_pb2_grpc as k_grpc
+from hpd_common.channels import CallIdentity, sync_channel
 from hpd_common.tables import render
 
 SESSION_HEADERS = [
@@ -116,7 +118,11 @@ def _list_sessions(stub: k_grpc.KvBrokerServiceStub, args: argparse.Namespace) -
         if not token or len(sessions) >= args.limit:
             break
     if args.output == "json":
-        print(json.dumps([MessageToDict(s) for s in sessions], indent=2))
+        print(
+            json.dumps(
+                [MessageToDict(s, preserving_proto_field_name=True) for s in sessions], indent=2
+            )
+        )
     else:
         print(render(SESSION_HEADERS, session_rows(sessions, int(time.time() * 1000))))
     return 0
@@ -127,7 +133,7 @@ def _compat(stub: k_grpc.KvBrokerServiceStub, args: argparse.Namespace) -> int:
         k.GetCompatibilityMatrixRequest(model_id=args.model), timeout=args.timeout
     )
     if args.output == "json":
-        print(json.dumps(MessageToDict(resp), indent=2))
+        print(json.dumps(MessageToDict(resp, preserving_proto_field_name=True), indent=2))
     else:
         print(render(COMPAT_HEADERS, compat_rows(resp)))
     return 0
@@ -141,7 +147,11 @@ def main(argv: Sequence[str]) -> int:
         if what == "sessions"
         else "Print a model's prefill x decode KV compatibility matrix.",
     )
-    p.add_argument("--kvbroker", default="127.0.0.1:50053", help="KV broker address host:port")
+    p.add_argument(
+        "--kvbroker",
+        default=os.environ.get("HPD_KVBROKER", "127.0.0.1:50053"),
+        help="KV broker address host:port (env HPD_KVBROKER)",
+    )
     p.add_argument("--timeout", type=float, default=5.0, help="RPC deadline in seconds")
     p.add_argument("-o", "--output", choices=["table", "json"], default="table")
     if what == "sessions":
@@ -152,7 +162,7 @@ def main(argv: Sequence[str]) -> int:
         p.add_argument("model", help="model id")
     args = p.parse_args(rest)
     try:
-        with grpc.insecure_channel(args.kvbroker) as channel:
+        with sync_channel(args.kvbroker, CallIdentity.from_env()) as channel:
             stub = k_grpc.KvBrokerServiceStub(channel)
             return _list_sessions(stub, args) if what == "sessions" else _compat(stub, args)
     except grpc.RpcError as exc:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -10,8 +11,8 @@ import grpc
 from hetero_pd.v1 import common_pb2 as c
 from hetero_pd.v1 import registry_pb2 as r
 from hetero_pd.v1 import registry_pb2_grpc as r_grpc
-from hpd_common import rpc
-from hpd_common.errors import InvalidArgument
+from hpd_common import auth, rpc
+from hpd_common.errors import InvalidArgument, PermissionDenied
 from hpd_common.server import ServiceComponent
 from hpd_registry import convert as cv
 from hpd_registry.domain import Health, LoadReport, Stage, WorkerFilter
@@ -34,6 +35,10 @@ def _hb_input(m: r.HeartbeatRequest | r.StreamHeartbeatsRequest) -> HeartbeatInp
         health=cv.reported_health(m.reported_health, "reported_health"),
         reason=m.health_reason,
     )
+
+
+# sent whatever the watcher's event_types filter says: without them its view drifts
+ALWAYS_SENT = frozenset({r.WATCH_EVENT_TYPE_SNAPSHOT_END, r.WATCH_EVENT_TYPE_RESYNC})
 
 
 class RegistryApi(r_grpc.RegistryServiceServicer):
@@ -103,15 +108,24 @@ class RegistryApi(r_grpc.RegistryServiceServicer):
     async def DeregisterWorker(
         self, request: r.DeregisterWorkerRequest, context: Any
     ) -> r.DeregisterWorkerResponse:
-        if not request.credential:
+        forced = not request.credential and auth.may_act_for_others()
+        if not request.credential and not forced:
+            if auth.current() is not None:  # auth on: a worker, not an operator
+                raise PermissionDenied(
+                    "only an operator may deregister a worker without its credential"
+                )
             raise InvalidArgument("credential", "is required")
-        rev = await self.svc.deregister(request.worker_id, request.credential)
+        rev = await self.svc.deregister(request.worker_id, request.credential, forced)
         return r.DeregisterWorkerResponse(revision=rev)
 
     @rpc.unary
     async def DrainWorker(
         self, request: r.DrainWorkerRequest, context: Any
     ) -> r.DrainWorkerResponse:
+        who = auth.current()
+        if request.credential or (who is not None and not who.operator):
+            # a worker drains only itself (its agent, on a drain directive)
+            await self.svc.check_own(request.worker_id, request.credential)
         rec = await self.svc.admin(request.worker_id, "drain", request.reason)
         return r.DrainWorkerResponse(worker=self._worker(rec))
 
@@ -166,10 +180,19 @@ class RegistryApi(r_grpc.RegistryServiceServicer):
     async def WatchWorkers(
         self, request: r.WatchWorkersRequest, context: Any
     ) -> AsyncIterator[r.WatchWorkersResponse]:
+        wanted = set(request.event_types)
+        if wanted:
+            known = set(cv.WATCH_TYPES.values())
+            bad = sorted(t for t in wanted if t not in known)
+            if bad:
+                raise InvalidArgument("event_types", f"unknown event type(s) {bad}")
+            wanted |= ALWAYS_SENT
         async for batch in self.svc.watch(request.from_revision, request.model_id):
-            yield r.WatchWorkersResponse(
-                events=[self._event(ev) for ev in batch], sent_at_unix_ms=self.svc.clock.now_ms()
-            )
+            events = [
+                self._event(ev) for ev in batch if not wanted or cv.WATCH_TYPES[ev.type] in wanted
+            ]
+            if events:
+                yield r.WatchWorkersResponse(events=events, sent_at_unix_ms=self.svc.clock.now_ms())
 
     def _event(self, ev: WatchEvent) -> r.WorkerEvent:
         out = r.WorkerEvent(
@@ -187,15 +210,59 @@ class RegistryApi(r_grpc.RegistryServiceServicer):
         return out
 
     @rpc.unary
+    async def ReportKvEvents(
+        self, request: r.ReportKvEventsRequest, context: Any
+    ) -> r.ReportKvEventsResponse:
+        events = kv_events_from_pb(request)
+        n = await self.svc.report_kv_events(
+            request.worker_id, request.credential, int(request.block_tokens), events
+        )
+        return r.ReportKvEventsResponse(accepted=n)
+
+    @rpc.unary
     async def SendDirective(
         self, request: r.SendDirectiveRequest, context: Any
     ) -> r.SendDirectiveResponse:
         if not request.HasField("directive"):
             raise InvalidArgument("directive", "is required")
-        directive_id, now = await self.svc.send_directive(
-            request.worker_id, cv.directive_from_pb(request.directive)
-        )
+        directive = cv.directive_from_pb(request.directive)
+        who = auth.current()
+        if who is not None:  # the issuer is who called, not what the caller wrote
+            directive = replace(directive, issuer=f"{who.role.value}:{who.name}")
+        directive_id, now = await self.svc.send_directive(request.worker_id, directive)
         return r.SendDirectiveResponse(directive_id=directive_id, delivered_now=now)
+
+
+MAX_KV_EVENTS = 1024
+MAX_KV_KEYS = 4096
+
+
+def kv_events_from_pb(request: r.ReportKvEventsRequest) -> list[list[Any]]:
+    """The batch as the feed stores it: ``[kind, keys]`` per event (``keys.py``)."""
+    if not 1 <= request.block_tokens <= 4096:
+        raise InvalidArgument("block_tokens", "must be in [1, 4096]")
+    if not request.events:
+        raise InvalidArgument("events", "at least one event")
+    if len(request.events) > MAX_KV_EVENTS:
+        raise InvalidArgument("events", f"at most {MAX_KV_EVENTS} per call")
+    out: list[list[Any]] = []
+    for i, ev in enumerate(request.events):
+        kind = ev.WhichOneof("change")
+        if kind is None:
+            raise InvalidArgument(f"events[{i}]", "names no change")
+        if kind == "all_cleared":
+            if not ev.all_cleared:
+                raise InvalidArgument(f"events[{i}].all_cleared", "must be true when set")
+            out.append(["c", []])
+            continue
+        blocks = ev.stored if kind == "stored" else ev.removed
+        if len(blocks.block_hashes) > MAX_KV_KEYS:
+            raise InvalidArgument(f"events[{i}].{kind}", f"at most {MAX_KV_KEYS} blocks")
+        if kind == "stored":
+            out.append(["h" if blocks.from_prompt_start else "s", list(blocks.block_hashes)])
+        else:
+            out.append(["r", list(blocks.block_hashes)])
+    return out
 
 
 class RegistryComponent(ServiceComponent):

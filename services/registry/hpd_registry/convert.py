@@ -171,6 +171,7 @@ def load_from_pb(m: c.LoadReport) -> LoadReport:
         itl_trend_ms_per_s=m.itl_trend_ms_per_s,
         prefill_tokens_per_s=m.prefill_tokens_per_s,
         reported_at_ms=m.reported_at_unix_ms,
+        prefix_cache_hit_rate=m.prefix_cache_hit_rate,
     )
 
 
@@ -189,6 +190,7 @@ def load_to_pb(x: LoadReport) -> c.LoadReport:
         itl_trend_ms_per_s=x.itl_trend_ms_per_s,
         prefill_tokens_per_s=x.prefill_tokens_per_s,
         reported_at_unix_ms=x.reported_at_ms,
+        prefix_cache_hit_rate=x.prefix_cache_hit_rate,
     )
 
 

@@ -182,6 +182,7 @@ class LoadReport:
     itl_trend_ms_per_s: float = 0.0
     prefill_tokens_per_s: float = 0.0
     reported_at_ms: int = 0
+    prefix_cache_hit_rate: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.__dataclass_fields__}
@@ -400,6 +401,16 @@ def check_number(path: str, value: float, low: float, high: float) -> None:
         raise InvalidArgument(path, f"must be in [{low:g}, {high:g}], got {value:g}")
 
 
+def check_figure(path: str, value: float, low: float, high: float) -> None:
+    """An optional physical figure: 0 (not given) or within ``[low, high]``. The floor keeps
+    out values (subnormal TFLOPs, say) that a fleet model would divide by."""
+    check_number(path, value, 0, high)
+    if value and value < low:
+        raise InvalidArgument(
+            path, f"must be 0 (not given) or in [{low:g}, {high:g}], got {value:g}"
+        )
+
+
 def check_endpoint(path: str, value: str) -> None:
     check_text(path, value, 256, required=True)
     host, sep, port = value.rpartition(":")
@@ -427,8 +438,9 @@ def validate_spec(spec: WorkerSpec, known_gpu: bool) -> None:
     check_number(p + "pp_size", spec.pp_size, 1, MAX_GPUS)
     if spec.tp_size * spec.pp_size > spec.gpu_count:
         raise InvalidArgument(p + "tp_size", "tp_size x pp_size exceeds gpu_count")
-    check_number(p + "peak_tflops", spec.peak_tflops, 0, 100_000)
-    check_number(p + "hbm_gbps", spec.hbm_gbps, 0, 1_000_000)
+    # a CPU core does about 0.05 TFLOPs and 10 GB/s; nothing that serves a model does less
+    check_figure(p + "peak_tflops", spec.peak_tflops, 0.001, 100_000)
+    check_figure(p + "hbm_gbps", spec.hbm_gbps, 0.1, 1_000_000)
     if not known_gpu and (spec.peak_tflops <= 0 or spec.hbm_gbps <= 0):
         raise InvalidArgument(
             p + "gpu_type", f"unknown GPU profile {spec.gpu_type!r}: give peak_tflops and hbm_gbps"
@@ -451,7 +463,7 @@ def validate_spec(spec: WorkerSpec, known_gpu: bool) -> None:
     check_text(p + "network.zone", net.zone, 128)
     check_text(p + "network.rack", net.rack, 128)
     check_text(p + "network.host", net.host, 253)
-    check_number(p + "network.nic_gbps", net.nic_gbps, 0, 100_000)
+    check_figure(p + "network.nic_gbps", net.nic_gbps, 0.001, 100_000)
     if len(spec.labels) > MAX_LABELS:
         raise InvalidArgument(p + "labels", f"at most {MAX_LABELS} labels")
     for key, value in spec.labels:
@@ -477,6 +489,7 @@ def validate_load(path: str, load: LoadReport, now_ms: int) -> None:
         raise InvalidArgument(p + "itl_p50_ms", "exceeds itl_p99_ms")
     check_number(p + "itl_trend_ms_per_s", load.itl_trend_ms_per_s, -MAX_MS, MAX_MS)
     check_number(p + "prefill_tokens_per_s", load.prefill_tokens_per_s, 0, 1e9)
+    check_number(p + "prefix_cache_hit_rate", load.prefix_cache_hit_rate, 0, 1)
     if load.reported_at_ms:
         if load.reported_at_ms > now_ms + CLOCK_SKEW_MS:
             raise InvalidArgument(p + "reported_at_unix_ms", "is in the future")

@@ -15,6 +15,12 @@ prefix (default `hpd`), which lets several control planes share one Redis.
 | `<p>:{reg}:feed`            | stream | the change feed (below) |
 | `<p>:{reg}:dir:<worker_id>` | list   | pending directives (JSON), oldest first |
 | `<p>:{reg}:dirs`            | pubsub | a worker id with a new directive (wakes its stream) |
+| `<p>:{reg}:grace`           | hash   | `from`, `until` (ms): after an outage (below) |
+| `<p>:{reg}:kvev`            | stream | engines' prefix-cache events (below) |
+
+After a Redis outage the sweeper writes `grace`: leases that ran out since `from` (the last
+good sweep) stay live for heartbeats and are not swept until `until` (one default lease
+after Redis answered again), since no heartbeat could renew them meanwhile.
 
 Fields of a worker hash: `spec` (capability JSON), `cred` (SHA-256 of the credential),
 `load` (the last load report, see `store.encode_load`), `lat` (load reported-at ms), `reg`,
@@ -25,6 +31,13 @@ reason), `adm` (operator reason), `rev` (revision of the last change).
 The feed: entry id `<revision>-0`; fields `t` (put, load, del) and `id`, plus the
 worker's hash fields without `cred` (put), `load`, `lat`, `hb` (load), or `why` (del).
 Capped at about `feed_max_len` entries; older revisions make a watcher resync.
+
+The KV event feed (`ReportKvEvents`): fields `w` (worker id), `bt` (tokens per block) and
+`ev`, a JSON list of `[kind, keys]` in the engine's order, kind `s` (stored, keys in chain
+order), `h` (the same, the first key starting a prompt), `r` (removed) or `c` (all
+cleared, no keys). Capped at about `kv_feed_max_len`
+entries: a scheduler replica that starts replays what is left (older events are lost,
+which can only make its prefix index miss blocks, never claim dropped ones).
 """
 
 from __future__ import annotations
@@ -77,6 +90,14 @@ class RegistryKeys:
     @property
     def directive_prefix(self) -> str:
         return f"{self.base}dir:"
+
+    @property
+    def grace(self) -> str:
+        return f"{self.base}grace"
+
+    @property
+    def kv_events(self) -> str:
+        return f"{self.base}kvev"
 
     @property
     def directive_channel(self) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import secrets
 import uuid
 from collections.abc import AsyncIterator
@@ -79,6 +80,10 @@ class RegistrySettings(ServerSettings):
         default=30_000, metadata={"help": "a load report older than this makes a worker SUSPECT"}
     )
     feed_max_len: int = field(default=100_000, metadata={"help": "change-feed entries kept"})
+    kv_feed_max_len: int = field(
+        default=200_000,
+        metadata={"help": "KV cache event batches kept for scheduler replicas to replay"},
+    )
     bookmark_interval_ms: int = field(
         default=1_000, metadata={"help": "idle watch streams get a bookmark this often"}
     )
@@ -213,6 +218,7 @@ class RegistryService:
         self._subscribed = asyncio.Event()  # wakes an idle feed tailer
         self._draining = False  # the server is stopping: streams end (`drain`)
         self._streams: dict[str, asyncio.Queue[Any]] = {}
+        self._grace: tuple[int, int] = (0, 0)  # post-outage lease grace (from, until), ms
         self._tasks: list[asyncio.Task[None]] = []
         self._tail_client: aioredis.Redis | None = None
 
@@ -300,10 +306,11 @@ class RegistryService:
             spec.worker_id, ttl, self._interval_for(ttl), issued, rev, status != "same"
         )
 
-    async def deregister(self, worker_id: str, credential: str) -> int:
+    async def deregister(self, worker_id: str, credential: str, forced: bool = False) -> int:
+        """Removes the worker; ``forced`` (an operator's call) needs no credential."""
         check_id("worker_id", worker_id)
         status, rev = await self.store.deregister(
-            worker_id, credential_hash(credential), self.clock.now_ms()
+            worker_id, "*" if forced else credential_hash(credential), self.clock.now_ms()
         )
         if status == "gone":
             raise NotFound("worker", worker_id)
@@ -457,6 +464,39 @@ class RegistryService:
 
     # -- operator actions -------------------------------------------------------------------
 
+    async def report_kv_events(
+        self, worker_id: str, credential: str, block_tokens: int, events: list[list[Any]]
+    ) -> int:
+        """Appends one worker's batch of prefix-cache events to the KV event feed
+        (``keys.py``); returns how many. NOT_FOUND, PERMISSION_DENIED as a heartbeat."""
+        check_id("worker_id", worker_id)
+        if not credential:
+            raise InvalidArgument("credential", "is required")
+        if len(credential) > 256:
+            raise InvalidArgument("credential", "longer than 256 characters")
+        payload = json.dumps(events, separators=(",", ":"))
+        status = await self.store.append_kv_events(
+            worker_id, credential_hash(credential), block_tokens, payload,
+            self.clock.now_ms(), self.settings.kv_feed_max_len,
+        )  # fmt: skip
+        if status == "gone":
+            raise NotFound("worker", worker_id)
+        if status == "denied":
+            raise PermissionDenied(f"credential does not match worker {worker_id!r}")
+        return len(events)
+
+    async def check_own(self, worker_id: str, credential: str) -> None:
+        """PERMISSION_DENIED unless ``credential`` is the worker's (a worker acting on its
+        own record); NOT_FOUND for an unknown worker."""
+        check_id("worker_id", worker_id)
+        if len(credential) > 256:
+            raise InvalidArgument("credential", "longer than 256 characters")
+        if await self.store.credential_matches(worker_id, credential_hash(credential)):
+            return
+        if await self.store.get(worker_id) is None:
+            raise NotFound("worker", worker_id)
+        raise PermissionDenied(f"credential does not match worker {worker_id!r}")
+
     async def admin(self, worker_id: str, op: str, reason: str) -> WorkerRecord:
         check_id("worker_id", worker_id)
         if len(reason) > 512:
@@ -487,7 +527,7 @@ class RegistryService:
         check_id("worker_id", worker_id)
         validate_directive(directive)
         rec = await self.store.get(worker_id)
-        if rec is None or rec.state.lease_expires_at_ms < self.clock.now_ms():
+        if rec is None or self.lapsed(rec, self.clock.now_ms()):
             raise NotFound("worker", worker_id)
         d = replace(directive, directive_id=uuid.uuid4().hex, created_at_ms=self.clock.now_ms())
         await self.store.push_directive(worker_id, d)
@@ -501,12 +541,24 @@ class RegistryService:
     async def get(self, worker_id: str) -> WorkerRecord:
         check_id("worker_id", worker_id)
         rec = await self.store.get(worker_id)
-        if rec is None or rec.state.lease_expires_at_ms < self.clock.now_ms():
+        if rec is None or self.lapsed(rec, self.clock.now_ms()):
             raise NotFound("worker", worker_id)
         return rec
 
     def health(self, rec: WorkerRecord) -> Health:
-        return rec.health(self.clock.now_ms(), heartbeat_interval_of(rec.state))
+        now = self.clock.now_ms()
+        if rec.state.lease_expires_at_ms < now and not self.lapsed(rec, now):
+            return Health.SUSPECT  # ran out during an outage: renewable, not gone
+        return rec.health(now, heartbeat_interval_of(rec.state))
+
+    def lapsed(self, rec: WorkerRecord, now_ms: int) -> bool:
+        """Whether the lease has run out, the post-outage grace counted (see the sweeper):
+        a lease that ran out since the grace's start is live until its end."""
+        exp = rec.state.lease_expires_at_ms
+        if exp >= now_ms:
+            return False
+        g_from, g_until = self._grace
+        return not (now_ms < g_until and exp >= g_from)
 
     async def list_workers(
         self, flt: WorkerFilter, page_size: int, page_token: str
@@ -527,7 +579,7 @@ class RegistryService:
             if not ids:
                 return out, "", revision
             for rec in await self.store.get_many(ids):
-                if rec.state.lease_expires_at_ms < now:
+                if self.lapsed(rec, now):
                     continue
                 if flt.matches(rec, self.health(rec)):
                     out.append(rec)
@@ -543,7 +595,7 @@ class RegistryService:
         live = [
             r
             for r in records
-            if r.state.lease_expires_at_ms >= now and (not model_id or r.spec.model_id == model_id)
+            if not self.lapsed(r, now) and (not model_id or r.spec.model_id == model_id)
         ]
         return summarize_pools(live, now), rev
 
@@ -600,7 +652,7 @@ class RegistryService:
                     known.clear()
                     batch: list[WatchEvent] = []
                     for rec in records:
-                        if rec.state.lease_expires_at_ms < now:
+                        if self.lapsed(rec, now):
                             continue
                         if not model_id or rec.spec.model_id == model_id:
                             known.add(rec.spec.worker_id)
@@ -710,12 +762,31 @@ class RegistryService:
                 await asyncio.sleep(0.5)
 
     async def _sweeper(self) -> None:
+        """Expires leases, except those an outage kept from being renewed. A sweep writes
+        when it ran; one that finds the last sweep older than ``outage_gap_ms`` (Redis, or
+        every registry, was away) keeps the leases that ran out since then live for one
+        default lease more, and until it runs every heartbeat script already treats them
+        as live (``store.sweep``, ``keys.py``). So an outage longer than a lease does not
+        empty the fleet: each worker renews at its next heartbeat, keeping its
+        registration, credential and KV sessions."""
         interval_s = self.settings.sweep_interval_ms / 1000
+        gap_ms = max(3 * self.settings.sweep_interval_ms, 1_000)
         while True:
             await asyncio.sleep(interval_s)
             now = self.clock.now_ms()
             try:
-                expired, suspects = await self.store.sweep(now, now - self.settings.load_stale_ms)
+                had = self._grace
+                expired, suspects, self._grace = await self.store.sweep(
+                    now,
+                    now - self.settings.load_stale_ms,
+                    grace_ms=self.settings.lease_ttl_ms,
+                    outage_gap_ms=gap_ms,
+                )
+                if self._grace != had and self._grace[1] > now:
+                    log.warning(
+                        "outage_grace_granted", since_ms=self._grace[0],
+                        until_ms=self._grace[1], outage_s=round((now - self._grace[0]) / 1000, 1),
+                    )  # fmt: skip
             except Unavailable as exc:
                 log.warning("sweep_failed", error=str(exc))
                 continue

@@ -10,6 +10,7 @@ Key layout: `hpd_registry.keys`.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import struct
 from collections.abc import Mapping, Sequence
@@ -31,6 +32,20 @@ log = get_logger("registry.store")
 # ARGV: 1 now_ms, 2 feed max length, 3 worker key prefix, 4 directive key prefix, then per script.
 _PRELUDE = """
 local now = tonumber(ARGV[1])
+-- Leases are judged by time in which a registry could write here (KEYS[7], kept by the
+-- sweeper): 'alive' is its last sweep, 'gap' how long without one means an outage (Redis
+-- or every registry away). After one, a lease that ran out since the last sweep before it
+-- is still live: at once (no sweep yet: now - alive > gap) and, once the first sweep after
+-- the outage has written 'from' and 'until', until one lease after the outage ended.
+local grace = redis.call('HMGET', KEYS[7], 'from', 'until', 'alive', 'gap')
+local grace_from = tonumber(grace[1] or '0') or 0
+local grace_until = tonumber(grace[2] or '0') or 0
+local alive = tonumber(grace[3] or '0') or 0
+local gap = tonumber(grace[4] or '0') or 0
+local function lapsed_ok(exp)
+  if now < grace_until and exp >= grace_from then return true end
+  return alive > 0 and gap > 0 and now - alive > gap and exp >= alive
+end
 local function emit_put(key, id)
   local rev = redis.call('INCR', KEYS[5])
   redis.call('HSET', key, 'rev', rev)
@@ -59,7 +74,8 @@ local function forget(id)
 end
 local function live(key)
   if redis.call('EXISTS', key) == 0 then return false end
-  return tonumber(redis.call('HGET', key, 'exp') or '0') >= now
+  local exp = tonumber(redis.call('HGET', key, 'exp') or '0')
+  return exp >= now or lapsed_ok(exp)
 end
 """
 
@@ -168,16 +184,31 @@ return out
 """
 )
 
-# ARGV 5 id, 6 credential hash.
+# ARGV 5 id, 6 credential hash ('*': an operator's, no credential checked).
 _DEREGISTER = (
     _PRELUDE
     + """
 local id = ARGV[5]
 local key = ARGV[3] .. id
 if not live(key) then return {'gone', 0} end
-if redis.call('HGET', key, 'cred') ~= ARGV[6] then return {'denied', 0} end
+if ARGV[6] ~= '*' and redis.call('HGET', key, 'cred') ~= ARGV[6] then
+  return {'denied', 0}
+end
 forget(id)
 return {'ok', emit_del(id, 'deregistered')}
+"""
+)
+
+# ARGV 5 id, 6 credential hash, 7 tokens per block, 8 events JSON, 9 KV feed max length.
+_KV_EVENTS = (
+    _PRELUDE
+    + """
+local key = ARGV[3] .. ARGV[5]
+if not live(key) then return 'gone' end
+if redis.call('HGET', key, 'cred') ~= ARGV[6] then return 'denied' end
+redis.call('XADD', KEYS[8], 'MAXLEN', '~', ARGV[9], '*', 'w', ARGV[5], 'bt', ARGV[7],
+  'ev', ARGV[8])
+return 'ok'
 """
 )
 
@@ -207,14 +238,23 @@ return {'ok', emit_put(key, id)}
 _SWEEP = (
     _PRELUDE
     + """
-local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', '(' .. now, 'LIMIT', 0, ARGV[7])
+-- ARGV 5: the default lease (the grace after an outage), 8: the outage gap (ms)
+if alive > 0 and now - alive > tonumber(ARGV[8]) then
+  grace_from = alive
+  grace_until = math.max(grace_until, now + tonumber(ARGV[5]))
+  redis.call('HSET', KEYS[7], 'from', grace_from, 'until', grace_until)
+end
+redis.call('HSET', KEYS[7], 'alive', now, 'gap', ARGV[8])
+local cut = now
+if now < grace_until then cut = math.min(now, grace_from) end
+local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', '(' .. cut, 'LIMIT', 0, ARGV[7])
 for _, id in ipairs(expired) do
   forget(id)
   emit_del(id, 'lease_expired')
 end
 local suspects = {}
 local seen = {}
-local c1 = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', '(' .. now, 'LIMIT', 0, ARGV[7])
+local c1 = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', '(' .. cut, 'LIMIT', 0, ARGV[7])
 local c2 = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', '(' .. ARGV[6], 'LIMIT', 0, ARGV[7])
 for _, list in ipairs({c1, c2}) do
   for _, id in ipairs(list) do
@@ -227,7 +267,7 @@ for _, list in ipairs({c1, c2}) do
     end
   end
 end
-return {expired, suspects}
+return {expired, suspects, grace_from, grace_until, alive}
 """
 )
 
@@ -293,13 +333,16 @@ def _s(value: bytes | str | None) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-_LOAD_TAG = b"\x00\x01"
-"""Starts a load report stored in binary (version 1); no JSON text starts with NUL."""
+_LOAD_TAG = b"\x00\x02"
+"""Starts a load report stored in binary (version 2); no JSON text starts with NUL."""
 _LOAD_BIN = struct.Struct(
     "<" + "".join("d" if t == "float" else "q" for t in LoadReport.__annotations__.values())
 )
 """Every LoadReport field in declaration order: float as float64, int as int64."""
 _LOAD_FIELDS = tuple(LoadReport.__annotations__)
+_LOAD_TAG_V1 = b"\x00\x01"
+_LOAD_BIN_V1 = struct.Struct("<" + "d" * 4 + "q" * 4 + "d" * 4 + "q")
+"""Version 1: the first 13 fields (before ``prefix_cache_hit_rate``), still read back."""
 
 
 def encode_load(load: LoadReport) -> bytes:
@@ -317,9 +360,12 @@ def encode_load(load: LoadReport) -> bytes:
 
 
 def decode_load(raw: bytes | str) -> LoadReport:
-    """A stored load report: the binary form, or JSON (as earlier versions wrote it)."""
+    """A stored load report: the binary form (either version), or JSON (as earlier
+    versions wrote it)."""
     if isinstance(raw, bytes) and raw[:2] == _LOAD_TAG:
         return LoadReport(*_LOAD_BIN.unpack(raw[2:]))
+    if isinstance(raw, bytes) and raw[:2] == _LOAD_TAG_V1:
+        return LoadReport(*_LOAD_BIN_V1.unpack(raw[2:]))
     return LoadReport.from_dict(json.loads(raw))
 
 
@@ -398,11 +444,14 @@ class RegistryStore:
         self._admin = client.register_script(_ADMIN)
         self._sweep = client.register_script(_SWEEP)
         self._snapshot = client.register_script(_SNAPSHOT)
+        self._kv_events = client.register_script(_KV_EVENTS)
 
     @property
     def _keys(self) -> list[str]:
         k = self.keys
-        return [k.ids, k.lease, k.heartbeats, k.load_times, k.revision, k.feed]
+        return [
+            k.ids, k.lease, k.heartbeats, k.load_times, k.revision, k.feed, k.grace, k.kv_events,
+        ]  # fmt: skip
 
     def _argv(self, now_ms: int, *rest: Any) -> list[Any]:
         return [
@@ -473,12 +522,26 @@ class RegistryStore:
         return _s(status), int(rev)
 
     async def sweep(
-        self, now_ms: int, stale_before_ms: int, limit: int = 500
-    ) -> tuple[list[str], list[str]]:
+        self,
+        now_ms: int,
+        stale_before_ms: int,
+        limit: int = 500,
+        grace_ms: int = 0,
+        outage_gap_ms: int = 0,
+    ) -> tuple[list[str], list[str], tuple[int, int]]:
         """Expires overdue leases and flags SUSPECT workers (two missed heartbeat intervals,
-        or a load report older than stale_before_ms); returns (expired, suspected) ids."""
-        expired, suspects = await self._call(self._sweep, now_ms, 0, stale_before_ms, limit)
-        return [_s(x) for x in expired], [_s(x) for x in suspects]
+        or a load report older than stale_before_ms); returns (expired, suspected) ids and
+        the post-outage grace (from, until) in force (0, 0 when none).
+
+        Also the outage rule (``keys.py``): when no sweep ran for over ``outage_gap_ms``
+        (Redis, or every registry, away), leases that ran out since the last sweep stay
+        live for ``grace_ms`` more. ``outage_gap_ms`` 0 turns the rule off."""
+        gap = outage_gap_ms if outage_gap_ms > 0 else 2**52
+        expired, suspects, g_from, g_until, _ = await self._call(
+            self._sweep, now_ms, grace_ms, stale_before_ms, limit, gap
+        )
+        grace = (int(g_from or 0), int(g_until or 0))
+        return [_s(x) for x in expired], [_s(x) for x in suspects], grace
 
     async def snapshot(self) -> tuple[int, list[WorkerRecord]]:
         """The revision and every worker, atomically."""
@@ -495,6 +558,27 @@ class RegistryStore:
             fields = {flat[j]: flat[j + 1] for j in range(0, len(flat), 2)}
             records.append(decode_record(fields))
         return rev, records
+
+    async def append_kv_events(
+        self, worker_id: str, cred_hash: str, block_tokens: int, events_json: str,
+        now_ms: int, max_len: int,
+    ) -> str:  # fmt: skip
+        """'ok', 'gone' (no live worker) or 'denied' (wrong credential)."""
+        out = await self._call(
+            self._kv_events, now_ms, worker_id, cred_hash, block_tokens, events_json, max_len
+        )
+        return _s(out)
+
+    async def credential_matches(self, worker_id: str, cred_hash: str) -> bool:
+        """Whether ``cred_hash`` is the worker's current credential (False when unknown)."""
+        try:
+            stored = await self.client.hget(self.keys.worker(worker_id), "cred")
+        except STORE_DOWN as exc:
+            raise _unavailable(exc) from exc
+        if stored is None or not cred_hash:
+            return False
+        value = stored.decode() if isinstance(stored, bytes) else str(stored)
+        return hmac.compare_digest(value, cred_hash)
 
     async def get(self, worker_id: str) -> WorkerRecord | None:
         try:

@@ -34,6 +34,7 @@ def build_server(
             settings.broker_target,
             settings.broker_token,
             timeout_s=settings.broker_timeout_ms / 1000,
+            identity=settings.call_identity(),
         )
     service = SchedulerService(settings, client, clock or SystemClock(), rng, opener)
     return GrpcServer("scheduler", settings, SchedulerComponent(service), client)

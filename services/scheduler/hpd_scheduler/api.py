@@ -67,7 +67,7 @@ class SchedulerApi(s_grpc.SchedulerServiceServicer):
             raise InvalidArgument("source", "give builtin_profile or profile_yaml")
         if len(request.profile_yaml) > 1_000_000:
             raise InvalidArgument("profile_yaml", "at most 1,000,000 characters")
-        state = self.svc.reload_policy(
+        state = await self.svc.reload_policy(
             request.builtin_profile, request.profile_yaml, request.dry_run
         )
         return s.ReloadPolicyResponse(policy=cv.policy_to_pb(state), applied=not request.dry_run)

@@ -20,6 +20,7 @@ import grpc
 
 from hetero_pd.v1 import kvbroker_pb2 as kb
 from hetero_pd.v1 import kvbroker_pb2_grpc as kb_grpc
+from hpd_common.channels import CallIdentity, aio_channel
 from hpd_common.logging import get_logger
 
 log = get_logger("scheduler.broker")
@@ -90,13 +91,13 @@ class GrpcKvBroker:
         scheduler_token: str = "",
         timeout_s: float = 0.25,
         deadline_ms: int = 0,
-        credentials: grpc.ChannelCredentials | None = None,
+        identity: CallIdentity | None = None,
     ) -> None:
         self.target = target
         self._token = scheduler_token
         self._timeout_s = timeout_s
         self._deadline_ms = deadline_ms
-        self._credentials = credentials
+        self._identity = identity
         self._channel: grpc.aio.Channel | None = None
 
     @property
@@ -104,11 +105,7 @@ class GrpcKvBroker:
         """The stub over a channel opened on first use: a grpc.aio channel belongs to the
         event loop that is running when it is made, and servers are built before theirs."""
         if self._channel is None:
-            self._channel = (
-                grpc.aio.secure_channel(self.target, self._credentials)
-                if self._credentials
-                else grpc.aio.insecure_channel(self.target)
-            )
+            self._channel = aio_channel(self.target, self._identity)
         return kb_grpc.KvBrokerServiceStub(self._channel)
 
     async def open(

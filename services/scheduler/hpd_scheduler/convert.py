@@ -16,6 +16,7 @@ from google.protobuf import struct_pb2
 from hetero_pd.v1 import scheduler_pb2 as s
 from hpd_common.errors import InvalidArgument
 from hpd_scheduler.policy import Request
+from hpd_scheduler.policy.domain import MAX_PREFIX_BLOCK_TOKENS, MAX_PREFIX_BLOCKS
 from hpd_scheduler.service import PolicyState, Recommendations, RecordQuery
 from hpd_scheduler.store import UNREADABLE_EXPLANATION, StoredRecord
 
@@ -78,6 +79,13 @@ def request_from_pb(m: s.ScheduleRequest) -> Request:
         _text(f"prefix_hints[{i}]", hint, 128, required=True)
     _text("model_revision", m.model_revision, 128)
     _text("preferred_pool", m.preferred_pool, 128)
+    blocks = tuple(m.prefix_block_hashes)
+    if len(blocks) > MAX_PREFIX_BLOCKS:
+        raise InvalidArgument("prefix_block_hashes", f"at most {MAX_PREFIX_BLOCKS} entries")
+    if blocks and not 1 <= m.prefix_block_tokens <= MAX_PREFIX_BLOCK_TOKENS:
+        raise InvalidArgument(
+            "prefix_block_tokens", f"must be in [1, {MAX_PREFIX_BLOCK_TOKENS}] with hashes"
+        )
     return Request(
         request_id=m.request_id,
         model_id=m.model_id,
@@ -87,6 +95,8 @@ def request_from_pb(m: s.ScheduleRequest) -> Request:
         prefix_hints=tuple(m.prefix_hints),
         model_revision=m.model_revision,
         preferred_pool=m.preferred_pool,
+        prefix_blocks=blocks,
+        prefix_block_tokens=int(m.prefix_block_tokens) if blocks else 0,
     )
 
 
@@ -174,6 +184,7 @@ def plan_to_pb(head: Mapping[str, Any]) -> s.RoutePlan:
     out.kv_session_id = str(p.get("kv_session_id", ""))
     out.mode_reason = str(p.get("mode_reason", ""))
     out.reserved_kv_bytes = int(p.get("reserved_kv_bytes") or 0)
+    out.cached_tokens = int(p.get("cached_tokens") or 0)
     out.reservation_expires_at_unix_ms = int(p.get("reservation_expires_at_ms") or 0)
     out.estimates.CopyFrom(
         s.Estimates(

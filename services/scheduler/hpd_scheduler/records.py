@@ -10,6 +10,8 @@ just after, off the hot path. Both live in the record's Redis hash.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from typing import Any
 
 from hpd_scheduler.policy import Decision, FallbackStep, Mode, Request, RoutePlan
@@ -64,6 +66,7 @@ def head_of(
     kv_session_id: str = "",
     mode_reason: str = "",
     reservation_expires_at_ms: int = 0,
+    caller: str = "",
 ) -> dict[str, Any]:
     """The record head (JSON-ready). ``plan`` / ``fallbacks`` override the decision's
     (after a broker-forced recompute)."""
@@ -82,6 +85,7 @@ def head_of(
             "decode_pool_id": p.decode_pool_id,
             "decode_endpoint": p.decode_endpoint,
             "prefill_tokens": p.prefill_tokens,
+            "cached_tokens": p.cached_tokens,
             "reserved_kv_bytes": p.decode_kv_bytes,
             "reservation_expires_at_ms": reservation_expires_at_ms,
             "kv_session_id": kv_session_id,
@@ -119,4 +123,25 @@ def head_of(
         "retry_after_ms": decision.retry_after_ms,
         "summary": summary,
         "scheduler_id": scheduler_id,
+        "request_digest": request_digest(request),
+        # who asked (auth on): only they, or an operator, may report its outcome
+        "caller": caller,
     }
+
+
+def request_digest(request: Request) -> str:
+    """What a request asked for, as a short digest: a retry under the same id must ask for
+    the same (``Schedule`` is idempotent per id, not a way to change a request)."""
+    fields: list[Any] = [
+        request.model_id,
+        request.prompt_tokens,
+        request.expected_output_tokens,
+        request.tier,
+        list(request.prefix_hints),
+        request.model_revision,
+        request.preferred_pool,
+    ]
+    if request.prefix_blocks:  # only then: earlier records' digests stay valid
+        fields += [request.prefix_block_tokens, list(request.prefix_blocks)]
+    body = json.dumps(fields, separators=(",", ":"))
+    return hashlib.sha256(body.encode()).hexdigest()[:16]

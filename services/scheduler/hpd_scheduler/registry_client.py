@@ -9,6 +9,7 @@ import grpc
 
 from hetero_pd.v1 import registry_pb2 as r
 from hetero_pd.v1 import registry_pb2_grpc as r_grpc
+from hpd_common.channels import CallIdentity, aio_channel
 from hpd_registry.convert import directive_to_pb
 from hpd_registry.domain import Directive
 
@@ -25,14 +26,17 @@ class GrpcDirectiveSender:
     """SendDirective over one lazily opened channel; returns None and the status name on
     refusal instead of raising, since a missed directive is retried next cycle."""
 
-    def __init__(self, target: str, timeout_s: float = 2.0) -> None:
+    def __init__(
+        self, target: str, timeout_s: float = 2.0, identity: CallIdentity | None = None
+    ) -> None:
         self._target = target
+        self._identity = identity
         self._timeout_s = timeout_s
         self._channel: grpc.aio.Channel | None = None
 
     async def send(self, worker_id: str, directive: Directive) -> str | None:
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self._target)
+            self._channel = aio_channel(self._target, self._identity)
         stub = r_grpc.RegistryServiceStub(self._channel)
         try:
             await stub.SendDirective(

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import random
 import socket
@@ -49,45 +50,55 @@ from typing import Any
 import redis.asyncio as aioredis
 import yaml
 
-from hpd_common import native
+from hpd_common import auth, native
 from hpd_common.clock import Clock
 from hpd_common.errors import (
+    AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    PermissionDenied,
     ResourceExhausted,
     Unavailable,
 )
 from hpd_common.informer import FleetChange, FleetInformer
 from hpd_common.logging import get_logger
 from hpd_common.server import ServerSettings
+from hpd_common.yamlsafe import YamlLimitError, load_bounded
 from hpd_registry.domain import Directive, DirectiveKind, WorkerRecord
+from hpd_registry.keys import RegistryKeys
 from hpd_scheduler import metrics
 from hpd_scheduler.broker_client import KvSessionOpener, NoKvBroker, SessionRefused
 from hpd_scheduler.feedback import ObservedEstimates, observation_from
 from hpd_scheduler.keys import SchedulerKeys
+from hpd_scheduler.kv_events import KvEventFollower
 from hpd_scheduler.policy import (
+    Action,
     BatchRecommendation,
     ConfigError,
     Decision,
+    DecisionKind,
     Fleet,
     InvalidInputError,
     LinkModel,
     Mode,
     Planner,
     Profile,
+    Protects,
     RebalancePlan,
     RejectClass,
     Request,
     Role,
+    ServingAction,
     WorkerView,
     adapt_batch_size,
     builtin_profile_names,
     parse_profile,
     rebalance_plan,
 )
-from hpd_scheduler.policy.fleet import WorkerState
-from hpd_scheduler.records import as_recompute, head_of
+from hpd_scheduler.policy.fleet import PromptMix, WorkerState
+from hpd_scheduler.policy.prefix import PrefixIndex
+from hpd_scheduler.records import as_recompute, head_of, request_digest
 from hpd_scheduler.registry_client import DirectiveSender, GrpcDirectiveSender
 from hpd_scheduler.store import (
     ReservationAsk,
@@ -292,15 +303,17 @@ def parse_policy(text: str, tiers_text: str = "") -> tuple[Profile, str]:
     """Validate a profile document (with optional tiers replacing its own). Raises
     ConfigError naming the offending key."""
     try:
-        doc = yaml.safe_load(text)
+        doc = load_bounded(text)
         if tiers_text:
-            tiers = yaml.safe_load(tiers_text)
+            tiers = load_bounded(tiers_text)
             if not isinstance(tiers, dict):
                 raise ConfigError("tiers", "the tiers file must hold a mapping")
             if not isinstance(doc, dict):
                 raise ConfigError("profile", "must be a mapping")
             doc["tiers"] = tiers.get("tiers", tiers)
             text = yaml.safe_dump(doc, sort_keys=False)
+    except YamlLimitError as exc:
+        raise ConfigError("profile", f"refused: {exc}") from None
     except yaml.YAMLError as exc:
         raise ConfigError("profile", f"invalid YAML: {exc}") from None
     try:
@@ -341,6 +354,12 @@ def session_request_id(request_id: str, attempt: int) -> str:
     return request_id[: 128 - len(suffix)] + suffix
 
 
+def _caller() -> str:
+    """The name of the caller being served (auth on), else ''."""
+    who = auth.current()
+    return who.name if who is not None else ""
+
+
 class SchedulerService:
     """The scheduler's use cases; the gRPC servicer is a thin layer over this."""
 
@@ -365,6 +384,7 @@ class SchedulerService:
             settings.registry_target,
             clock=clock,
             max_backoff_s=settings.informer_max_backoff_ms / 1000,
+            identity=settings.call_identity(),
         )
         self.informer.on_change = self._on_change
         self.on_view_synced: Callable[[], None] | None = None
@@ -390,9 +410,16 @@ class SchedulerService:
         self._explain_q: list[tuple[str, Decision]] = []
         self._explain_wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
-        self.directives: DirectiveSender = GrpcDirectiveSender(settings.registry_target)
+        self.directives: DirectiveSender = GrpcDirectiveSender(
+            settings.registry_target, identity=settings.call_identity()
+        )
         self._bg: set[asyncio.Future[None]] = set()
         self._stopping = False
+        # which worker's engine holds which prompt prefix (policy.prefix), followed from
+        # the registry's KV event feed; and the prompt mix queued requests are priced at
+        self.prefix = PrefixIndex()
+        self.kv_events = KvEventFollower(client, RegistryKeys(settings.key_prefix), self.prefix)
+        self.prompt_mix = PromptMix()
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -402,6 +429,7 @@ class SchedulerService:
         await self.informer.start()
         self._tasks = [
             asyncio.create_task(self._rebuild_loop(), name="scheduler-fleet"),
+            asyncio.create_task(self.kv_events.run(), name="scheduler-kv-events"),
             asyncio.create_task(self._sync_loop(), name="scheduler-reservations"),
             asyncio.create_task(self._explain_loop(), name="scheduler-explanations"),
         ]
@@ -469,8 +497,26 @@ class SchedulerService:
         self._views = fresh
         if self._links[0] != obs.links_version:
             self._links = (obs.links_version, link_model(obs.link_gbps))
+        prefix = self.prefix
+        if self.informer.synced:
+            for wid in [w for w in prefix.entries if w not in workers]:
+                prefix.forget(wid)  # left the fleet: its engine's cache went with it
+        for wid, (bt, _) in list(prefix.entries.items()):
+            held_by = workers.get(wid)
+            if held_by is not None and bt > 0:
+                # an engine holds at most its KV memory in blocks: the index no more
+                per_block = held_by.spec.kv_format.bytes_per_token() * bt
+                cap = held_by.spec.kv_memory_total_bytes // per_block if per_block > 0 else 0
+                if cap > 0 and prefix.capacity(wid) != cap:
+                    prefix.set_capacity(wid, cap)
         fleet = Fleet.build(
-            views, self.clock.now_ms() / 1000.0, links=self._links[1], previous=self._fleet
+            views,
+            self.clock.now_ms() / 1000.0,
+            links=self._links[1],
+            previous=self._fleet,
+            ref_prompt_tokens=self.prompt_mix.ref_tokens(),
+            prefix=prefix.entries,
+            prefix_heads=prefix.heads,
         )
         for wid, t in self._totals.items():
             fleet.reserve(wid, t.kv_bytes, t.prefill_tokens, t.requests)
@@ -567,8 +613,14 @@ class SchedulerService:
         if cls == RejectClass.NO_CAPABLE_WORKER:
             pools = decision.record.rejected_pools
             detail = "; ".join(f"{k}: {','.join(v)}" for k, v in sorted(pools.items()))
+            lead = {
+                "no_worker_for_model": "the model has no worker in the fleet",
+                "no_decode_worker_for_model": (
+                    "the model has prefill workers but no worker that can decode"
+                ),
+            }.get(decision.reject_reasons[0] if decision.reject_reasons else "")
             return FailedPrecondition(
-                f"no worker can serve this request ({reasons})"
+                f"{lead or 'no worker can serve this request'} ({reasons})"
                 + (f" [{detail}]" if detail else ""),
                 {k: list(v) for k, v in pools.items()},
             )
@@ -585,6 +637,7 @@ class SchedulerService:
             tier = pol.profile.tier(req.tier)
         except InvalidInputError as exc:
             raise InvalidArgument(exc.field, exc.message) from None
+        self.prompt_mix.observe(req.prompt_tokens)
         fleet = self.fleet()
         resynced = False
         for attempt in range(s.max_plan_attempts):
@@ -601,18 +654,9 @@ class SchedulerService:
                 await self.sync_reservations()
                 continue
             if plan is None:
-                head = head_of(decision, req, tier.name, now_ms, self.scheduler_id)
-                try:
-                    res = await self.store.reserve_and_record(
-                        req.request_id, head, "reject", None, now_ms,
-                        s.reservation_ttl_ms, s.record_ttl_ms, s.record_index_cap,
-                    )  # fmt: skip
-                except Unavailable:
-                    log.warning("reject_record_lost", request_id=req.request_id)
-                else:
-                    if res.status is ReserveStatus.REPLAY and res.head is not None:
-                        metrics.REPLAYS.inc()
-                        return ScheduleResult(res.head, True)
+                replayed = await self._record_reject(decision, req, tier.name, now_ms)
+                if replayed is not None:
+                    return replayed
                 self._queue_explanation(req.request_id, decision)
                 raise self._refusal(decision, tier.queue_budget_ms)
             session, mode_reason = "", ""
@@ -639,7 +683,7 @@ class SchedulerService:
             )
             head = head_of(
                 decision, req, tier.name, now_ms, self.scheduler_id, plan, chain,
-                session, mode_reason, now_ms + s.reservation_ttl_ms,
+                session, mode_reason, now_ms + s.reservation_ttl_ms, _caller(),
             )  # fmt: skip
             # count the reservation in the snapshot while the script runs, so concurrent
             # requests planned meanwhile see it (a burst spreads); undone when the script
@@ -661,8 +705,7 @@ class SchedulerService:
                 prior = (res.head or {}).get("plan") or {}
                 if session and prior.get("kv_session_id") != session:
                     self._background(self.opener.abort(session, "duplicate_schedule"))
-                metrics.REPLAYS.inc()
-                return ScheduleResult(res.head or head, True)
+                return self._replay(res.head or head, req)
             self._mirror(ask, res.decode, res.prefill_tokens)
             if res.status is ReserveStatus.FULL:
                 resynced = True  # the script just told us the worker's true totals
@@ -673,11 +716,62 @@ class SchedulerService:
             metrics.DECISIONS.labels(decision=decision.kind.value, mode=plan.mode.value).inc()
             self._queue_explanation(req.request_id, decision)
             return ScheduleResult(head, False)
+        # every attempt found its decode worker full: refused, and recorded as refused like
+        # any other reject (a refused request always has its REJECT record)
+        retry_ms = max(1, int(tier.queue_budget_ms))
+        refused = dataclasses.replace(
+            decision,
+            kind=DecisionKind.REJECT,
+            plan=None,
+            fallbacks=(),
+            action=ServingAction(Action.REJECT, Protects.LATENCY),
+            reject_reasons=("decode_workers_fully_reserved",),
+            reject_class=RejectClass.SATURATED,
+            retry_after_ms=float(retry_ms),
+        )
+        replayed = await self._record_reject(refused, req, tier.name, self.clock.now_ms())
+        if replayed is not None:
+            return replayed
         metrics.REJECTIONS.labels(reject_class=RejectClass.SATURATED).inc()
         raise ResourceExhausted(
             "saturated: every capable decode worker is fully reserved",
-            retry_after_ms=max(1, int(tier.queue_budget_ms)),
+            retry_after_ms=retry_ms,
         )
+
+    async def _record_reject(
+        self, decision: Decision, req: Request, tier: str, now_ms: int
+    ) -> ScheduleResult | None:
+        """Write a refusal's REJECT record (a refused request always has one; a Redis that
+        cannot take it is logged, the refusal stands). Returns the stored answer instead
+        when the request id was already decided (a retry)."""
+        s = self.settings
+        head = head_of(decision, req, tier, now_ms, self.scheduler_id, caller=_caller())
+        try:
+            res = await self.store.reserve_and_record(
+                req.request_id, head, "reject", None, now_ms,
+                s.reservation_ttl_ms, s.record_ttl_ms, s.record_index_cap,
+            )  # fmt: skip
+        except Unavailable:
+            log.warning("reject_record_lost", request_id=req.request_id)
+            return None
+        if res.status is ReserveStatus.REPLAY and res.head is not None:
+            return self._replay(res.head, req)
+        return None
+
+    @staticmethod
+    def _replay(head: dict[str, Any], req: Request) -> ScheduleResult:
+        """The stored answer to a retried request id; ALREADY_EXISTS when the retry asks
+        for something else (a different body under the same id is a caller's bug, and the
+        old plan would silently answer the wrong question). Records written before the
+        digest was kept replay as before."""
+        stored = head.get("request_digest")
+        if stored and stored != request_digest(req):
+            raise AlreadyExists(
+                f"request id {req.request_id!r} was scheduled with a different request "
+                "(model, tokens, tier, hints, revision or pool); use a new id"
+            )
+        metrics.REPLAYS.inc()
+        return ScheduleResult(head, True)
 
     def _background(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coro)
@@ -809,7 +903,14 @@ class SchedulerService:
         Returns (released, first_report)."""
         now_ms = self.clock.now_ms()
         outcome = {**outcome, "reported_at_ms": now_ms}
-        res = await self.store.report_outcome(request_id, outcome)
+        who = auth.current()
+        owner = "" if who is None or who.operator else who.name
+        res = await self.store.report_outcome(request_id, outcome, owner)
+        if res.not_owner:
+            raise PermissionDenied(
+                f"request {request_id!r} was scheduled by another caller; "
+                "only it (or an operator) may report its outcome"
+            )
         if not res.record_found and not res.released:
             raise NotFound("route record", request_id)
         plan = (res.head or {}).get("plan") or {}
@@ -847,9 +948,24 @@ class SchedulerService:
     def policy(self) -> PolicyState:
         return self._policy
 
-    def reload_policy(self, builtin: str, yaml_text: str, dry_run: bool) -> PolicyState:
+    async def reload_policy(self, builtin: str, yaml_text: str, dry_run: bool) -> PolicyState:
         """Validate and (unless dry_run) install a new profile. A bad one raises
-        InvalidArgument naming the key; the current profile stays."""
+        InvalidArgument naming the key; the current profile stays. The document is parsed
+        on a worker thread (bounded first: :mod:`hpd_common.yamlsafe`), so heartbeats and
+        plans on the event loop do not wait for it."""
+        profile, text = await asyncio.to_thread(self._parse_policy, builtin, yaml_text)
+        old = self._policy
+        state = PolicyState(
+            profile, Planner(profile), text, old.generation + 1, self.clock.now_ms()
+        )
+        if dry_run:
+            return state
+        self._policy = state
+        log.info("policy_reloaded", profile=profile.name, generation=state.generation)
+        return state
+
+    @staticmethod
+    def _parse_policy(builtin: str, yaml_text: str) -> tuple[Profile, str]:
         try:
             if builtin:
                 if builtin not in builtin_profile_names():
@@ -862,19 +978,10 @@ class SchedulerService:
                 text = yaml_text
             else:
                 raise InvalidArgument("source", "give builtin_profile or profile_yaml")
-            profile, text = parse_policy(text)
+            return parse_policy(text)
         except ConfigError as exc:
             field = "profile_yaml" if yaml_text else "builtin_profile"
             raise InvalidArgument(f"{field}.{exc.key_path}", exc.message) from None
-        old = self._policy
-        state = PolicyState(
-            profile, Planner(profile), text, old.generation + 1, self.clock.now_ms()
-        )
-        if dry_run:
-            return state
-        self._policy = state
-        log.info("policy_reloaded", profile=profile.name, generation=state.generation)
-        return state
 
     # -- recommendations and directives ---------------------------------------------------
 

@@ -106,13 +106,20 @@ return {1, k, n, t}
 """
 )
 
-# KEYS: 1 totals, 2 reservations, 3 expiry, 4 record. ARGV: 1 request id, 2 outcome JSON.
-# Returns {released 0/1, record exists 0/1, first outcome 0/1, head or ''}.
+# KEYS: 1 totals, 2 reservations, 3 expiry, 4 record. ARGV: 1 request id, 2 outcome JSON,
+# 3 the reporting caller ('' = anyone may). Returns {released 0/1, record exists 0/1, first
+# outcome 0/1, head or ''}; {-1, ...} when the record names another caller (nothing done).
 _OUTCOME = (
     _RELEASE_FN
     + """
-local released = release(ARGV[1])
 local head = redis.call('HGET', KEYS[4], 'p')
+if head and ARGV[3] ~= '' then
+  local ok, doc = pcall(cjson.decode, head)
+  if ok and type(doc) == 'table' and (doc['caller'] or '') ~= ARGV[3] then
+    return {-1, 1, 0, ''}
+  end
+end
+local released = release(ARGV[1])
 if not head then return {released, 0, 0, ''} end
 local first = redis.call('HSETNX', KEYS[4], 'o', ARGV[2])
 return {released, 1, first, head}
@@ -188,6 +195,7 @@ class OutcomeResult:
     record_found: bool
     first_report: bool
     head: dict[str, Any] | None
+    not_owner: bool = False  # the record names another caller: nothing was changed
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,15 +284,20 @@ class SchedulerStore:
             status, decode=Totals(int(out[1]), int(out[2])), prefill_tokens=int(out[3])
         )
 
-    async def report_outcome(self, request_id: str, outcome: Mapping[str, Any]) -> OutcomeResult:
+    async def report_outcome(
+        self, request_id: str, outcome: Mapping[str, Any], owner: str = ""
+    ) -> OutcomeResult:
         """Releases the request's reservation (if live) and attaches the outcome to its
-        record unless one is already there."""
+        record unless one is already there. ``owner`` (non-empty): only when the record
+        names that caller; else nothing changes and ``not_owner`` is set."""
         k = self.keys
         out = await self._run(
             self._outcome,
             [k.totals, k.reservations, k.expiry, k.record(request_id)],
-            [request_id, dumps(outcome)],
+            [request_id, dumps(outcome), owner],
         )
+        if int(out[0]) < 0:
+            return OutcomeResult(False, True, False, None, not_owner=True)
         return OutcomeResult(
             released=bool(int(out[0])),
             record_found=bool(int(out[1])),

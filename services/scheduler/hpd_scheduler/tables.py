@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -13,6 +14,7 @@ from google.protobuf.json_format import MessageToDict
 
 from hetero_pd.v1 import scheduler_pb2 as s
 from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
+from hpd_common.channels import CallIdentity, sync_channel
 from hpd_common.tables import render
 
 HEADERS = [
@@ -60,7 +62,11 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="hpd routes", description="Recent route records, newest first."
     )
-    p.add_argument("--scheduler", default="127.0.0.1:50052", help="scheduler address host:port")
+    p.add_argument(
+        "--scheduler",
+        default=os.environ.get("HPD_SCHEDULER", "127.0.0.1:50052"),
+        help="scheduler address host:port (env HPD_SCHEDULER)",
+    )
     p.add_argument("--timeout", type=float, default=5.0, help="RPC deadline in seconds")
     p.add_argument("-o", "--output", choices=["table", "json"], default="table")
     p.add_argument("--limit", type=int, default=20, help="how many records (1..1000)")
@@ -75,13 +81,17 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        with grpc.insecure_channel(args.scheduler) as channel:
+        with sync_channel(args.scheduler, CallIdentity.from_env()) as channel:
             stub = s_grpc.SchedulerServiceStub(channel)
             if args.request:
                 got = stub.GetRouteRecord(
                     s.GetRouteRecordRequest(request_id=args.request), timeout=args.timeout
                 )
-                print(json.dumps(MessageToDict(got.record), indent=2))
+                print(
+                    json.dumps(
+                        MessageToDict(got.record, preserving_proto_field_name=True), indent=2
+                    )
+                )
                 return 0
             now_ms = int(time.time() * 1000)
             resp = stub.ListRouteRecords(
@@ -95,7 +105,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 timeout=args.timeout,
             )
             if args.output == "json":
-                print(json.dumps([MessageToDict(x) for x in resp.records], indent=2))
+                print(
+                    json.dumps(
+                        [MessageToDict(x, preserving_proto_field_name=True) for x in resp.records],
+                        indent=2,
+                    )
+                )
             else:
                 print(render(HEADERS, rows(resp.records, now_ms)))
     except grpc.RpcError as exc:

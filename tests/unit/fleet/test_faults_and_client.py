@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hpd_fleet.client import ClientTiming
+from hpd_agent.worker_client import ClientTiming
 from hpd_fleet.faults import Fault, parse_fault
 
 

@@ -4,8 +4,10 @@ real link, joint pairing, fallback chains, the memory ladder, staleness, the rec
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import yaml
@@ -226,6 +228,34 @@ def test_kv_incompatible_but_executable_means_recompute_not_drop() -> None:
     assert decision.plan.decode_worker_id == "d"
 
 
+@pytest.mark.parametrize(
+    ("p_role", "d_role", "mode"),
+    [
+        ("producer", "consumer", Mode.TRANSFER),
+        ("producer", "both", Mode.TRANSFER),
+        (None, None, Mode.TRANSFER),  # no labels: no constraint
+        ("producer", "producer", Mode.SAME_POOL),  # a producer engine cannot take KV in
+        ("consumer", "both", Mode.SAME_POOL),  # nor can a consumer send it
+    ],
+)
+def test_transfers_go_only_the_way_the_connectors_move_kv(
+    p_role: str | None, d_role: str | None, mode: Mode
+) -> None:
+    def labels(role: str | None) -> dict[str, str]:
+        return {"kv-role": role} if role else {}
+
+    views = [
+        worker("p", Stage.PREFILL, rack="r1", labels=labels(p_role)),
+        worker("d", Stage.BOTH, gpu="L40S", rack="r1", labels=labels(d_role)),
+    ]
+    decision, _ = plan(views, request(prompt=4000))
+    assert decision.plan is not None and decision.plan.mode is mode
+    assert decision.plan.decode_worker_id == "d"
+    chain = [(s.mode, s.prefill_worker_id) for s in decision.fallbacks]
+    if mode is not Mode.TRANSFER:
+        assert all(m is not Mode.TRANSFER for m, _ in chain), chain
+
+
 def test_layout_conversion_is_costed() -> None:
     views = [
         worker("p", Stage.PREFILL, rack="r1", layout=KvLayout.PAGED_HND),
@@ -340,6 +370,48 @@ def test_unknown_model_rejects_as_no_capable_worker() -> None:
     assert decision.kind is DecisionKind.REJECT
     assert decision.reject_class == RejectClass.NO_CAPABLE_WORKER
     assert decision.route_record()["selected_pool"] == "none"
+    assert decision.reject_reasons[0] == "no_worker_for_model"
+    assert (decision.action.action, decision.action.protects) == ("reject", "nothing")
+
+
+@pytest.mark.parametrize(
+    ("gpu", "figures"),
+    [
+        pytest.param("H100-SXM", {"peak_tflops": 1e-308}, id="subnormal-tflops"),
+        pytest.param("H100-SXM", {"hbm_gbps": 1e-308}, id="subnormal-hbm"),
+        pytest.param("MADE-UP", {"peak_tflops": 1e-308, "hbm_gbps": 1e-308}, id="unknown-gpu"),
+    ],
+)
+def test_a_worker_with_figures_that_make_no_sense_is_left_out_not_fatal(
+    gpu: str, figures: dict[str, Any]
+) -> None:
+    """One such registration must not stop scheduling for its model."""
+    views = [
+        worker("p", Stage.PREFILL),
+        worker("bad-p", Stage.PREFILL, gpu=gpu, **figures),
+        worker("bad-d", gpu=gpu, **figures),
+        worker("d"),
+    ]
+    decision, fleet = plan(views)
+    assert decision.plan is not None
+    assert {decision.plan.prefill_worker_id, decision.plan.decode_worker_id} <= {"p", "d"}
+    drops = fleet.index(MODEL, Role.DECODE).static_drops  # type: ignore[union-attr]
+    assert ("bad-d", "pool-bad-d", "implausible_capacity") in drops, drops
+
+
+@pytest.mark.parametrize("value", [5e-324, 1e-308, 1e-30, 1e30, 1e308, math.inf, math.nan])
+@pytest.mark.parametrize("field", ["peak_tflops", "hbm_gbps"])
+def test_no_figure_a_worker_reports_makes_the_planner_raise(field: str, value: float) -> None:
+    figure: dict[str, Any] = {field: value}
+    views = [worker("p", Stage.PREFILL), worker("d"), worker("odd", Stage.BOTH, **figure)]
+    decision, _ = plan(views)
+    assert decision.plan is not None
+
+
+def test_a_model_with_prefill_workers_only_says_decode_is_missing() -> None:
+    decision, _ = plan([worker("p", Stage.PREFILL)], request())
+    assert decision.reject_class == RejectClass.NO_CAPABLE_WORKER
+    assert decision.reject_reasons[0] == "no_decode_worker_for_model"
 
 
 def test_all_decode_workers_full_rejects_as_saturated() -> None:

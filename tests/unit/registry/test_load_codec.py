@@ -50,3 +50,12 @@ def test_a_number_that_does_not_pack_is_stored_as_json() -> None:
 def test_every_field_is_a_float_or_an_int() -> None:
     """The binary form packs floats and ints only: a field of another type needs a new tag."""
     assert {f.type for f in dataclasses.fields(LoadReport)} == {"float", "int"}
+
+
+def test_binary_written_before_the_prefix_cache_field_still_reads() -> None:
+    import struct
+
+    old = LoadReport(gpu_util=0.5, queue_depth=3, batch_size=7, reported_at_ms=11)
+    values = [getattr(old, f.name) for f in dataclasses.fields(LoadReport)][:13]
+    raw = b"\x00\x01" + struct.pack("<" + "d" * 4 + "q" * 4 + "d" * 4 + "q", *values)
+    assert decode_load(raw) == old

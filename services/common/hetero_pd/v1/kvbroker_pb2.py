@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 from hetero_pd.v1 import common_pb2 as hetero__pd_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bhetero_pd/v1/kvbroker.proto\x12\x0chetero_pd.v1\x1a\x19hetero_pd/v1/common.proto\"V\n\x0e\x43onversionStep\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\x12\x17\n\x0f\x63ost_ms_per_gib\x18\x03 \x01(\x01\x12\r\n\x05lossy\x18\x04 \x01(\x08\"\xaa\x01\n\x0bNegotiation\x12\x33\n\x07verdict\x18\x01 \x01(\x0e\x32\".hetero_pd.v1.CompatibilityVerdict\x12\x0f\n\x07reasons\x18\x02 \x03(\t\x12\x0f\n\x07\x64\x65tails\x18\x03 \x03(\t\x12+\n\x05steps\x18\x04 \x03(\x0b\x32\x1c.hetero_pd.v1.ConversionStep\x12\x17\n\x0f\x63ost_ms_per_gib\x18\x05 \x01(\x01\"\xe1\x01\n\x10NegotiateRequest\x12\x1a\n\x10source_worker_id\x18\x01 \x01(\tH\x00\x12/\n\rsource_format\x18\x02 \x01(\x0b\x32\x16.hetero_pd.v1.KvFormatH\x00\x12\x1f\n\x15\x64\x65stination_worker_id\x18\x03 \x01(\tH\x01\x12\x34\n\x12\x64\x65stination_format\x18\x04 \x01(\x0b\x32\x16.hetero_pd.v1.KvFormatH\x01\x12\x10\n\x08kv_bytes\x18\x05 \x01(\x04\x42\x08\n\x06sourceB\r\n\x0b\x64\x65stination\"\xbd\x01\n\x11NegotiateResponse\x12.\n\x0bnegotiation\x18\x01 \x01(\x0b\x32\x19.hetero_pd.v1.Negotiation\x12-\n\rsource_format\x18\x02 \x01(\x0b\x32\x16.hetero_pd.v1.KvFormat\x12\x32\n\x12\x64\x65stination_format\x18\x03 \x01(\x0b\x32\x16.hetero_pd.v1.KvFormat\x12\x15\n\rconversion_ms\x18\x04 \x01(\x01\"1\n\x1dGetCompatibilityMatrixRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\"q\n\nWorkerPair\x12\x19\n\x11prefill_worker_id\x18\x01 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x02 \x01(\t\x12.\n\x0bnegotiation\x18\x03 \x01(\x0b\x32\x19.hetero_pd.v1.Negotiation\"\xad\x01\n\x1eGetCompatibilityMatrixResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x1a\n\x12prefill_worker_ids\x18\x02 \x03(\t\x12\x19\n\x11\x64\x65\x63ode_worker_ids\x18\x03 \x03(\t\x12\'\n\x05pairs\x18\x04 \x03(\x0b\x32\x18.hetero_pd.v1.WorkerPair\x12\x19\n\x11registry_revision\x18\x05 \x01(\x04\"O\n\rSessionCaller\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\ncredential\x18\x02 \x01(\t\x12\x17\n\x0fscheduler_token\x18\x03 \x01(\t\"\xb2\x03\n\tKvSession\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x18\n\x10source_worker_id\x18\x03 \x01(\t\x12\x1d\n\x15\x64\x65stination_worker_id\x18\x04 \x01(\t\x12)\n\x05state\x18\x05 \x01(\x0e\x32\x1a.hetero_pd.v1.SessionState\x12.\n\x0bnegotiation\x18\x06 \x01(\x0b\x32\x19.hetero_pd.v1.Negotiation\x12\x16\n\x0e\x65xpected_bytes\x18\x07 \x01(\x04\x12\x12\n\nbytes_done\x18\x08 \x01(\x04\x12\x1a\n\x12\x63reated_at_unix_ms\x18\t \x01(\x03\x12\x1a\n\x12updated_at_unix_ms\x18\n \x01(\x03\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x0b \x01(\x03\x12 \n\x18lease_expires_at_unix_ms\x18\x0c \x01(\x03\x12\x14\n\x0clease_ttl_ms\x18\r \x01(\r\x12\x0e\n\x06reason\x18\x0e \x01(\t\x12\x0f\n\x07version\x18\x0f \x01(\x04\x12\x12\n\nupdated_by\x18\x10 \x01(\t\"\xd1\x01\n\x12OpenSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10source_worker_id\x18\x02 \x01(\t\x12\x1d\n\x15\x64\x65stination_worker_id\x18\x03 \x01(\t\x12\x16\n\x0e\x65xpected_bytes\x18\x04 \x01(\x04\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x05 \x01(\r\x12\x14\n\x0clease_ttl_ms\x18\x06 \x01(\r\x12+\n\x06\x63\x61ller\x18\x07 \x01(\x0b\x32\x1b.hetero_pd.v1.SessionCaller\"P\n\x13OpenSessionResponse\x12(\n\x07session\x18\x01 \x01(\x0b\x32\x17.hetero_pd.v1.KvSession\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\"\xa7\x01\n\x15ReportProgressRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12+\n\x06\x63\x61ller\x18\x02 \x01(\x0b\x32\x1b.hetero_pd.v1.SessionCaller\x12\x12\n\nbytes_done\x18\x03 \x01(\x04\x12)\n\x05state\x18\x04 \x01(\x0e\x32\x1a.hetero_pd.v1.SessionState\x12\x0e\n\x06reason\x18\x05 \x01(\t\"B\n\x16ReportProgressResponse\x12(\n\x07session\x18\x01 \x01(\x0b\x32\x17.hetero_pd.v1.KvSession\"Y\n\x16\x43ompleteSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12+\n\x06\x63\x61ller\x18\x02 \x01(\x0b\x32\x1b.hetero_pd.v1.SessionCaller\"C\n\x17\x43ompleteSessionResponse\x12(\n\x07session\x18\x01 \x01(\x0b\x32\x17.hetero_pd.v1.KvSession\"f\n\x13\x41\x62ortSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12+\n\x06\x63\x61ller\x18\x02 \x01(\x0b\x32\x1b.hetero_pd.v1.SessionCaller\x12\x0e\n\x06reason\x18\x03 \x01(\t\"@\n\x14\x41\x62ortSessionResponse\x12(\n\x07session\x18\x01 \x01(\x0b\x32\x17.hetero_pd.v1.KvSession\";\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\">\n\x12GetSessionResponse\x12(\n\x07session\x18\x01 \x01(\x0b\x32\x17.hetero_pd.v1.KvSession\"S\n\x13WatchSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x14\n\x0c\x66rom_version\x18\x03 \x01(\x04\"@\n\x14WatchSessionResponse\x12(\n\x07session\x18\x01 \x01(\x0b\x32\x17.hetero_pd.v1.KvSession\"z\n\x13ListSessionsRequest\x12)\n\x05state\x18\x01 \x01(\x0e\x32\x1a.hetero_pd.v1.SessionState\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\x12\n\npage_token\x18\x04 \x01(\t\"Z\n\x14ListSessionsResponse\x12)\n\x08sessions\x18\x01 \x03(\x0b\x32\x17.hetero_pd.v1.KvSession\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t*\xb2\x01\n\x14\x43ompatibilityVerdict\x12%\n!COMPATIBILITY_VERDICT_UNSPECIFIED\x10\x00\x12$\n COMPATIBILITY_VERDICT_COMPATIBLE\x10\x01\x12%\n!COMPATIBILITY_VERDICT_CONVERTIBLE\x10\x02\x12&\n\"COMPATIBILITY_VERDICT_INCOMPATIBLE\x10\x03*\xf3\x01\n\x0cSessionState\x12\x1d\n\x19SESSION_STATE_UNSPECIFIED\x10\x00\x12\x1c\n\x18SESSION_STATE_NEGOTIATED\x10\x01\x12\x1a\n\x16SESSION_STATE_RESERVED\x10\x02\x12\x1e\n\x1aSESSION_STATE_TRANSFERRING\x10\x03\x12\x1a\n\x16SESSION_STATE_COMPLETE\x10\x04\x12\x18\n\x14SESSION_STATE_FAILED\x10\x05\x12\x19\n\x15SESSION_STATE_EXPIRED\x10\x06\x12\x19\n\x15SESSION_STATE_ABORTED\x10\x07\x32\xbd\x06\n\x0fKvBrokerService\x12L\n\tNegotiate\x12\x1e.hetero_pd.v1.NegotiateRequest\x1a\x1f.hetero_pd.v1.NegotiateResponse\x12s\n\x16GetCompatibilityMatrix\x12+.hetero_pd.v1.GetCompatibilityMatrixRequest\x1a,.hetero_pd.v1.GetCompatibilityMatrixResponse\x12R\n\x0bOpenSession\x12 .hetero_pd.v1.OpenSessionRequest\x1a!.hetero_pd.v1.OpenSessionResponse\x12[\n\x0eReportProgress\x12#.hetero_pd.v1.ReportProgressRequest\x1a$.hetero_pd.v1.ReportProgressResponse\x12^\n\x0f\x43ompleteSession\x12$.hetero_pd.v1.CompleteSessionRequest\x1a%.hetero_pd.v1.CompleteSessionResponse\x12U\n\x0c\x41\x62ortSession\x12!.hetero_pd.v1.AbortSessionRequest\x1a\".hetero_pd.v1.AbortSessionResponse\x12O\n\nGetSession\x12\x1f.hetero_pd.v1.GetSessionRequest\x1a .hetero_pd.v1.GetSessionResponse\x12W\n\x0cWatchSession\x12!.hetero_pd.v1.WatchSessionRequest\x1a\".hetero_pd.v1.WatchSessionResponse0\x01\x12U\n\x0cListSessions\x12!.hetero_pd.v1.ListSessionsRequest\x1a\".hetero_pd.v1.ListSessionsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bhetero_pd/v1/kvbroker.proto\x12\x0chetero_pd.v1\x1a\x19hetero_pd/v1/common.proto\"V\n\x0e\x43onversionStep\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\x12\x17\n\x0f\x63ost_ms_per_gib\x18\x03 \x01(\x01\x12\r\n\x05lossy\x18\x04 \x01(\x08\"\xaa\x01\n\x0bNegotiation\x12\x33\n\x07verdict\x18\x01 \x01(\x0e\x32\".hetero_pd.v1.CompatibilityVerdict\x12\x0f\n\x07reasons\x18\x02 \x03(\t\x12\x0f\n\x07\x64\x65tails\x18\x03 \x03(\t\x12+\n\x05steps\x18\x04 \x03(\x0b\x32\x1c.hetero_pd.v1.ConversionStep\x12\x17\n\x0f\x63ost_ms_per_gib\x18\x05 \x01(\x01\"\xe1\x01\n\x10NegotiateRequest\x12\x1a\n\x10source_worker_id\x18\x01 \x01(\tH\x00\x12/\n\rsource_format\x18\x02 \x01(\x0b\x32\x16.hetero_pd.v1.KvFormatH\x00\x12\x1f\n\x15\x64\x65stination_worker_id\x18\x03 \x01(\tH\x01\x12\x34\n\x12\x64\x65stination_format\x18\x04 \x01(\x0b\x32\x16.hetero_pd.v1.KvFormatH\x01\x12\x10\n\x08kv_bytes\x18\x05 \x01(\x04\x42\x08\n\x06sourceB\r\n\x0b\x64\x65stination\"\xbd\x01\n\x11NegotiateResponse\x12.\n\x0bnegotiation\x18\x01 \x01(\x0b\x32\x19.hetero_pd.v1.Negotiation\x12-\n\rsource_format\x18\x02 \x01(\x0b\x32\x16.hetero_pd.v1.KvFormat\x12\x32\n\x12\x64\x65stination_format\x18\x03 \x01(\x0b\x32\x16.hetero_pd.v1.KvFormat\x12\x15\n\rconversion_ms\x18\x04 \x01(\x01\"1\n\x1dGetCompatibilityMatrixRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\"q\n\nWorkerPair\x12\x19\n\x11prefill_worker_id\x18\x01 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x02 \x01(\t\x12.\n\x0bnegotiation\x18\x03 \x01(\x0b\x32\x19.hetero_pd.v1.Negotiation\"\xad\x01\n\x1eGetCompatibilityMatrixResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x1a\n\x12prefill_worker_ids\x18\x02 \x03(\t\x12\x19\n\x11\x64\x65\x63ode_worker_ids\x18\x03 \x03(\t\x12\'\n\x05pairs\x18\x04 \x03(\x0b\x32\x18.hetero_pd.v1.WorkerPair\x12\x19\n\x11registry_revision\x18\x05 \x01(\x04\"f\n\rSessionCaller\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\ncredential\x18\x02 \x01(\t\x12\x17\n\x0fscheduler_token\x18\x03 \x01(\t\x12\x15\n\rgateway_token\x18\x04 \x01(\t\"\xb2\x03\n\tKvSession\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x18\n\x10source_worker_id\x18\x03 \x01(\t\x12\x1d\n\x15\x64\x65stination_worker_id\x18\x04 \x01(\t\x12)\n\x05state\x18\x05 \x01(\x0e\x32\x1a.hetero_pd.v1.SessionState\x12.\n\x0bnegotiation\x18\x06 \x01(\x0b\x32\x19.hetero_pd.v1.Negotiation\x12\x16\n\x0e\x65xpected_bytes\x18\x07 \x01(\x04\x12\x12\n\nbytes_done\x18\x08 \x01(\x04\x12\x1a\n\x12\x63reated_at_unix_ms\x18\t \x01(\x03\x12\x1a\n\x12updated_at_unix_ms\x18\n \x01(\x03\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x0b \x01(\x03\x12 \n\x18lease_expires_at_unix_ms\x18\x0c \x01(\x03\x12\x14\n\x0clease_ttl_ms\x18\r \x01(\r\x12\x0e\n\x06reason\x18\x0e \x01(\t\x12\x0f\n\x07version\x18\x0f \x01(\x04\x12\x12\n\nupdated_by\x18\x10 \x01(\t\"\xd1\x01\n\x12OpenSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10source_worker_id\x18\x02 \x01(\t\x12\x1d\n\x15\x64\x65stination_worker_id\x18\x03 \x01(\t\x12\x16\n\x0e\x65xpected_bytes\x18\x04 \x01(\x04\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x05 \x01(\r\x12\x14\n\x0clease_ttl_ms\x18\x06 \x01(\r\x12+\n\x06\x63\x61ller\x18\x07 \x01(\x0b\x32\x1b.hetero_pd.v1.SessionCaller\"P\n\x13OpenSessionResponse\x12(\n\x07session\x18\x01 \x01(\x0b\x32\x17.hetero_pd.v1.KvSession\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\"\xa7\x01\n\x15ReportProgressRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12+\n\x06\x63\x61ller\x18\x02 \x01(\x0b\x32\x1b.hetero_pd.v1.SessionCaller\x12\x12\n\nbytes_done\x18\x03 \x01(\x04\x12)\n\x05state\x18\x04 \x01(\x0e\x32\x1a.hetero_pd.v1.SessionState\x12\x0e\n\x06reason\x18\x05 \x01(\t\"B\n\x16ReportProgressResponse\x12(\n\x07session\x18\x01 \x01(\x0b\x32\x17.hetero_pd.v1.KvSession\"Y\n\x16\x43ompleteSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12+\n\x06\x63\x61ller\x18\x02 \x01(\x0b\x32\x1b.hetero_pd.v1.SessionCaller\"C\n\x17\x43ompleteSessionResponse\x12(\n\x07session\x18\x01 \x01(\x0b\x32\x17.hetero_pd.v1.KvSession\"f\n\x13\x41\x62ortSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12+\n\x06\x63\x61ller\x18\x02 \x01(\x0b\x32\x1b.hetero_pd.v1.SessionCaller\x12\x0e\n\x06reason\x18\x03 \x01(\t\"@\n\x14\x41\x62ortSessionResponse\x12(\n\x07session\x18\x01 \x01(\x0b\x32\x17.hetero_pd.v1.KvSession\";\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\">\n\x12GetSessionResponse\x12(\n\x07session\x18\x01 \x01(\x0b\x32\x17.hetero_pd.v1.KvSession\"S\n\x13WatchSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x14\n\x0c\x66rom_version\x18\x03 \x01(\x04\"@\n\x14WatchSessionResponse\x12(\n\x07session\x18\x01 \x01(\x0b\x32\x17.hetero_pd.v1.KvSession\"z\n\x13ListSessionsRequest\x12)\n\x05state\x18\x01 \x01(\x0e\x32\x1a.hetero_pd.v1.SessionState\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\x12\n\npage_token\x18\x04 \x01(\t\"Z\n\x14ListSessionsResponse\x12)\n\x08sessions\x18\x01 \x03(\x0b\x32\x17.hetero_pd.v1.KvSession\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t*\xb2\x01\n\x14\x43ompatibilityVerdict\x12%\n!COMPATIBILITY_VERDICT_UNSPECIFIED\x10\x00\x12$\n COMPATIBILITY_VERDICT_COMPATIBLE\x10\x01\x12%\n!COMPATIBILITY_VERDICT_CONVERTIBLE\x10\x02\x12&\n\"COMPATIBILITY_VERDICT_INCOMPATIBLE\x10\x03*\xf3\x01\n\x0cSessionState\x12\x1d\n\x19SESSION_STATE_UNSPECIFIED\x10\x00\x12\x1c\n\x18SESSION_STATE_NEGOTIATED\x10\x01\x12\x1a\n\x16SESSION_STATE_RESERVED\x10\x02\x12\x1e\n\x1aSESSION_STATE_TRANSFERRING\x10\x03\x12\x1a\n\x16SESSION_STATE_COMPLETE\x10\x04\x12\x18\n\x14SESSION_STATE_FAILED\x10\x05\x12\x19\n\x15SESSION_STATE_EXPIRED\x10\x06\x12\x19\n\x15SESSION_STATE_ABORTED\x10\x07\x32\xbd\x06\n\x0fKvBrokerService\x12L\n\tNegotiate\x12\x1e.hetero_pd.v1.NegotiateRequest\x1a\x1f.hetero_pd.v1.NegotiateResponse\x12s\n\x16GetCompatibilityMatrix\x12+.hetero_pd.v1.GetCompatibilityMatrixRequest\x1a,.hetero_pd.v1.GetCompatibilityMatrixResponse\x12R\n\x0bOpenSession\x12 .hetero_pd.v1.OpenSessionRequest\x1a!.hetero_pd.v1.OpenSessionResponse\x12[\n\x0eReportProgress\x12#.hetero_pd.v1.ReportProgressRequest\x1a$.hetero_pd.v1.ReportProgressResponse\x12^\n\x0f\x43ompleteSession\x12$.hetero_pd.v1.CompleteSessionRequest\x1a%.hetero_pd.v1.CompleteSessionResponse\x12U\n\x0c\x41\x62ortSession\x12!.hetero_pd.v1.AbortSessionRequest\x1a\".hetero_pd.v1.AbortSessionResponse\x12O\n\nGetSession\x12\x1f.hetero_pd.v1.GetSessionRequest\x1a .hetero_pd.v1.GetSessionResponse\x12W\n\x0cWatchSession\x12!.hetero_pd.v1.WatchSessionRequest\x1a\".hetero_pd.v1.WatchSessionResponse0\x01\x12U\n\x0cListSessions\x12!.hetero_pd.v1.ListSessionsRequest\x1a\".hetero_pd.v1.ListSessionsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'hetero_pd.v1.kvbroker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_COMPATIBILITYVERDICT']._serialized_start=2968
-  _globals['_COMPATIBILITYVERDICT']._serialized_end=3146
-  _globals['_SESSIONSTATE']._serialized_start=3149
-  _globals['_SESSIONSTATE']._serialized_end=3392
+  _globals['_COMPATIBILITYVERDICT']._serialized_start=2991
+  _globals['_COMPATIBILITYVERDICT']._serialized_end=3169
+  _globals['_SESSIONSTATE']._serialized_start=3172
+  _globals['_SESSIONSTATE']._serialized_end=3415
   _globals['_CONVERSIONSTEP']._serialized_start=72
   _globals['_CONVERSIONSTEP']._serialized_end=158
   _globals['_NEGOTIATION']._serialized_start=161
@@ -51,37 +51,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETCOMPATIBILITYMATRIXRESPONSE']._serialized_start=920
   _globals['_GETCOMPATIBILITYMATRIXRESPONSE']._serialized_end=1093
   _globals['_SESSIONCALLER']._serialized_start=1095
-  _globals['_SESSIONCALLER']._serialized_end=1174
-  _globals['_KVSESSION']._serialized_start=1177
-  _globals['_KVSESSION']._serialized_end=1611
-  _globals['_OPENSESSIONREQUEST']._serialized_start=1614
-  _globals['_OPENSESSIONREQUEST']._serialized_end=1823
-  _globals['_OPENSESSIONRESPONSE']._serialized_start=1825
-  _globals['_OPENSESSIONRESPONSE']._serialized_end=1905
-  _globals['_REPORTPROGRESSREQUEST']._serialized_start=1908
-  _globals['_REPORTPROGRESSREQUEST']._serialized_end=2075
-  _globals['_REPORTPROGRESSRESPONSE']._serialized_start=2077
-  _globals['_REPORTPROGRESSRESPONSE']._serialized_end=2143
-  _globals['_COMPLETESESSIONREQUEST']._serialized_start=2145
-  _globals['_COMPLETESESSIONREQUEST']._serialized_end=2234
-  _globals['_COMPLETESESSIONRESPONSE']._serialized_start=2236
-  _globals['_COMPLETESESSIONRESPONSE']._serialized_end=2303
-  _globals['_ABORTSESSIONREQUEST']._serialized_start=2305
-  _globals['_ABORTSESSIONREQUEST']._serialized_end=2407
-  _globals['_ABORTSESSIONRESPONSE']._serialized_start=2409
-  _globals['_ABORTSESSIONRESPONSE']._serialized_end=2473
-  _globals['_GETSESSIONREQUEST']._serialized_start=2475
-  _globals['_GETSESSIONREQUEST']._serialized_end=2534
-  _globals['_GETSESSIONRESPONSE']._serialized_start=2536
-  _globals['_GETSESSIONRESPONSE']._serialized_end=2598
-  _globals['_WATCHSESSIONREQUEST']._serialized_start=2600
-  _globals['_WATCHSESSIONREQUEST']._serialized_end=2683
-  _globals['_WATCHSESSIONRESPONSE']._serialized_start=2685
-  _globals['_WATCHSESSIONRESPONSE']._serialized_end=2749
-  _globals['_LISTSESSIONSREQUEST']._serialized_start=2751
-  _globals['_LISTSESSIONSREQUEST']._serialized_end=2873
-  _globals['_LISTSESSIONSRESPONSE']._serialized_start=2875
-  _globals['_LISTSESSIONSRESPONSE']._serialized_end=2965
-  _globals['_KVBROKERSERVICE']._serialized_start=3395
-  _globals['_KVBROKERSERVICE']._serialized_end=4224
+  _globals['_SESSIONCALLER']._serialized_end=1197
+  _globals['_KVSESSION']._serialized_start=1200
+  _globals['_KVSESSION']._serialized_end=1634
+  _globals['_OPENSESSIONREQUEST']._serialized_start=1637
+  _globals['_OPENSESSIONREQUEST']._serialized_end=1846
+  _globals['_OPENSESSIONRESPONSE']._serialized_start=1848
+  _globals['_OPENSESSIONRESPONSE']._serialized_end=1928
+  _globals['_REPORTPROGRESSREQUEST']._serialized_start=1931
+  _globals['_REPORTPROGRESSREQUEST']._serialized_end=2098
+  _globals['_REPORTPROGRESSRESPONSE']._serialized_start=2100
+  _globals['_REPORTPROGRESSRESPONSE']._serialized_end=2166
+  _globals['_COMPLETESESSIONREQUEST']._serialized_start=2168
+  _globals['_COMPLETESESSIONREQUEST']._serialized_end=2257
+  _globals['_COMPLETESESSIONRESPONSE']._serialized_start=2259
+  _globals['_COMPLETESESSIONRESPONSE']._serialized_end=2326
+  _globals['_ABORTSESSIONREQUEST']._serialized_start=2328
+  _globals['_ABORTSESSIONREQUEST']._serialized_end=2430
+  _globals['_ABORTSESSIONRESPONSE']._serialized_start=2432
+  _globals['_ABORTSESSIONRESPONSE']._serialized_end=2496
+  _globals['_GETSESSIONREQUEST']._serialized_start=2498
+  _globals['_GETSESSIONREQUEST']._serialized_end=2557
+  _globals['_GETSESSIONRESPONSE']._serialized_start=2559
+  _globals['_GETSESSIONRESPONSE']._serialized_end=2621
+  _globals['_WATCHSESSIONREQUEST']._serialized_start=2623
+  _globals['_WATCHSESSIONREQUEST']._serialized_end=2706
+  _globals['_WATCHSESSIONRESPONSE']._serialized_start=2708
+  _globals['_WATCHSESSIONRESPONSE']._serialized_end=2772
+  _globals['_LISTSESSIONSREQUEST']._serialized_start=2774
+  _globals['_LISTSESSIONSREQUEST']._serialized_end=2896
+  _globals['_LISTSESSIONSRESPONSE']._serialized_start=2898
+  _globals['_LISTSESSIONSRESPONSE']._serialized_end=2988
+  _globals['_KVBROKERSERVICE']._serialized_start=3418
+  _globals['_KVBROKERSERVICE']._serialized_end=4247
 # @@protoc_insertion_point(module_scope)

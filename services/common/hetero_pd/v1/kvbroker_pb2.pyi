@@ -121,14 +121,16 @@ class GetCompatibilityMatrixResponse(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., prefill_worker_ids: _Optional[_Iterable[str]] = ..., decode_worker_ids: _Optional[_Iterable[str]] = ..., pairs: _Optional[_Iterable[_Union[WorkerPair, _Mapping]]] = ..., registry_revision: _Optional[int] = ...) -> None: ...
 
 class SessionCaller(_message.Message):
-    __slots__ = ("worker_id", "credential", "scheduler_token")
+    __slots__ = ("worker_id", "credential", "scheduler_token", "gateway_token")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    GATEWAY_TOKEN_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     credential: str
     scheduler_token: str
-    def __init__(self, worker_id: _Optional[str] = ..., credential: _Optional[str] = ..., scheduler_token: _Optional[str] = ...) -> None: ...
+    gateway_token: str
+    def __init__(self, worker_id: _Optional[str] = ..., credential: _Optional[str] = ..., scheduler_token: _Optional[str] = ..., gateway_token: _Optional[str] = ...) -> None: ...
 
 class KvSession(_message.Message):
     __slots__ = ("session_id", "request_id", "source_worker_id", "destination_worker_id", "state", "negotiation", "expected_bytes", "bytes_done", "created_at_unix_ms", "updated_at_unix_ms", "deadline_unix_ms", "lease_expires_at_unix_ms", "lease_ttl_ms", "reason", "version", "updated_by")

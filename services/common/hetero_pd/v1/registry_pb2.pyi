@@ -126,12 +126,14 @@ class DeregisterWorkerResponse(_message.Message):
     def __init__(self, revision: _Optional[int] = ...) -> None: ...
 
 class DrainWorkerRequest(_message.Message):
-    __slots__ = ("worker_id", "reason")
+    __slots__ = ("worker_id", "reason", "credential")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     reason: str
-    def __init__(self, worker_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    credential: str
+    def __init__(self, worker_id: _Optional[str] = ..., reason: _Optional[str] = ..., credential: _Optional[str] = ...) -> None: ...
 
 class DrainWorkerResponse(_message.Message):
     __slots__ = ("worker",)
@@ -227,12 +229,14 @@ class ListPoolsResponse(_message.Message):
     def __init__(self, pools: _Optional[_Iterable[_Union[_common_pb2.PoolSummary, _Mapping]]] = ..., revision: _Optional[int] = ...) -> None: ...
 
 class WatchWorkersRequest(_message.Message):
-    __slots__ = ("from_revision", "model_id")
+    __slots__ = ("from_revision", "model_id", "event_types")
     FROM_REVISION_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    EVENT_TYPES_FIELD_NUMBER: _ClassVar[int]
     from_revision: int
     model_id: str
-    def __init__(self, from_revision: _Optional[int] = ..., model_id: _Optional[str] = ...) -> None: ...
+    event_types: _containers.RepeatedScalarFieldContainer[WatchEventType]
+    def __init__(self, from_revision: _Optional[int] = ..., model_id: _Optional[str] = ..., event_types: _Optional[_Iterable[_Union[WatchEventType, str]]] = ...) -> None: ...
 
 class WatchWorkersResponse(_message.Message):
     __slots__ = ("events", "sent_at_unix_ms")
@@ -271,3 +275,39 @@ class SendDirectiveResponse(_message.Message):
     directive_id: str
     delivered_now: bool
     def __init__(self, directive_id: _Optional[str] = ..., delivered_now: bool = ...) -> None: ...
+
+class KvCacheEvent(_message.Message):
+    __slots__ = ("stored", "removed", "all_cleared")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    ALL_CLEARED_FIELD_NUMBER: _ClassVar[int]
+    stored: KvBlocks
+    removed: KvBlocks
+    all_cleared: bool
+    def __init__(self, stored: _Optional[_Union[KvBlocks, _Mapping]] = ..., removed: _Optional[_Union[KvBlocks, _Mapping]] = ..., all_cleared: bool = ...) -> None: ...
+
+class KvBlocks(_message.Message):
+    __slots__ = ("block_hashes", "from_prompt_start")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    FROM_PROMPT_START_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    from_prompt_start: bool
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., from_prompt_start: bool = ...) -> None: ...
+
+class ReportKvEventsRequest(_message.Message):
+    __slots__ = ("worker_id", "credential", "block_tokens", "events")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    credential: str
+    block_tokens: int
+    events: _containers.RepeatedCompositeFieldContainer[KvCacheEvent]
+    def __init__(self, worker_id: _Optional[str] = ..., credential: _Optional[str] = ..., block_tokens: _Optional[int] = ..., events: _Optional[_Iterable[_Union[KvCacheEvent, _Mapping]]] = ...) -> None: ...
+
+class ReportKvEventsResponse(_message.Message):
+    __slots__ = ("accepted",)
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    accepted: int
+    def __init__(self, accepted: _Optional[int] = ...) -> None: ...

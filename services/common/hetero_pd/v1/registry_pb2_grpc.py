@@ -99,6 +99,11 @@ class RegistryServiceStub(object):
                 request_serializer=hetero__pd_dot_v1_dot_registry__pb2.SendDirectiveRequest.SerializeToString,
                 response_deserializer=hetero__pd_dot_v1_dot_registry__pb2.SendDirectiveResponse.FromString,
                 _registered_method=True)
+        self.ReportKvEvents = channel.unary_unary(
+                '/hetero_pd.v1.RegistryService/ReportKvEvents',
+                request_serializer=hetero__pd_dot_v1_dot_registry__pb2.ReportKvEventsRequest.SerializeToString,
+                response_deserializer=hetero__pd_dot_v1_dot_registry__pb2.ReportKvEventsResponse.FromString,
+                _registered_method=True)
 
 
 class RegistryServiceServicer(object):
@@ -203,6 +208,16 @@ class RegistryServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportKvEvents(self, request, context):
+        """A worker's engine stored or dropped prefix-cache blocks (its agent reports them,
+        batched, in the engine's order). Appended to the KV event feed every scheduler replica
+        follows into its prefix index. NOT_FOUND (register first), PERMISSION_DENIED (wrong
+        credential), INVALID_ARGUMENT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RegistryServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -265,6 +280,11 @@ def add_RegistryServiceServicer_to_server(servicer, server):
                     servicer.SendDirective,
                     request_deserializer=hetero__pd_dot_v1_dot_registry__pb2.SendDirectiveRequest.FromString,
                     response_serializer=hetero__pd_dot_v1_dot_registry__pb2.SendDirectiveResponse.SerializeToString,
+            ),
+            'ReportKvEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportKvEvents,
+                    request_deserializer=hetero__pd_dot_v1_dot_registry__pb2.ReportKvEventsRequest.FromString,
+                    response_serializer=hetero__pd_dot_v1_dot_registry__pb2.ReportKvEventsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -596,6 +616,33 @@ class RegistryService(object):
             '/hetero_pd.v1.RegistryService/SendDirective',
             hetero__pd_dot_v1_dot_registry__pb2.SendDirectiveRequest.SerializeToString,
             hetero__pd_dot_v1_dot_registry__pb2.SendDirectiveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportKvEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hetero_pd.v1.RegistryService/ReportKvEvents',
+            hetero__pd_dot_v1_dot_registry__pb2.ReportKvEventsRequest.SerializeToString,
+            hetero__pd_dot_v1_dot_registry__pb2.ReportKvEventsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -42,7 +42,7 @@ ROUTE_DECISION_REROUTE: RouteDecision
 ROUTE_DECISION_REJECT: RouteDecision
 
 class ScheduleRequest(_message.Message):
-    __slots__ = ("request_id", "model_id", "prompt_tokens", "expected_output_tokens", "tier", "prefix_hints", "model_revision", "preferred_pool")
+    __slots__ = ("request_id", "model_id", "prompt_tokens", "expected_output_tokens", "tier", "prefix_hints", "model_revision", "preferred_pool", "prefix_block_hashes", "prefix_block_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,8 @@ class ScheduleRequest(_message.Message):
     PREFIX_HINTS_FIELD_NUMBER: _ClassVar[int]
     MODEL_REVISION_FIELD_NUMBER: _ClassVar[int]
     PREFERRED_POOL_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_id: str
     prompt_tokens: int
@@ -59,7 +61,9 @@ class ScheduleRequest(_message.Message):
     prefix_hints: _containers.RepeatedScalarFieldContainer[str]
     model_revision: str
     preferred_pool: str
-    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., expected_output_tokens: _Optional[int] = ..., tier: _Optional[str] = ..., prefix_hints: _Optional[_Iterable[str]] = ..., model_revision: _Optional[str] = ..., preferred_pool: _Optional[str] = ...) -> None: ...
+    prefix_block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    prefix_block_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., expected_output_tokens: _Optional[int] = ..., tier: _Optional[str] = ..., prefix_hints: _Optional[_Iterable[str]] = ..., model_revision: _Optional[str] = ..., preferred_pool: _Optional[str] = ..., prefix_block_hashes: _Optional[_Iterable[int]] = ..., prefix_block_tokens: _Optional[int] = ...) -> None: ...
 
 class Estimates(_message.Message):
     __slots__ = ("kv_bytes", "transfer_ms", "recompute_ms", "conversion_ms", "prefill_wait_ms", "prefill_ms", "ttft_ms", "tpot_ms")
@@ -110,7 +114,7 @@ class ServingAction(_message.Message):
     def __init__(self, action: _Optional[str] = ..., protects: _Optional[str] = ..., ladder_steps: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RoutePlan(_message.Message):
-    __slots__ = ("request_id", "resource_need", "decision", "mode", "prefill_worker_id", "prefill_pool_id", "prefill_endpoint", "decode_worker_id", "decode_pool_id", "decode_endpoint", "estimates", "serving_action", "kv_session_id", "fallbacks", "route_record_id", "tier", "reserved_kv_bytes", "reservation_expires_at_unix_ms", "mode_reason", "planned_at_unix_ms")
+    __slots__ = ("request_id", "resource_need", "decision", "mode", "prefill_worker_id", "prefill_pool_id", "prefill_endpoint", "decode_worker_id", "decode_pool_id", "decode_endpoint", "estimates", "serving_action", "kv_session_id", "fallbacks", "route_record_id", "tier", "reserved_kv_bytes", "reservation_expires_at_unix_ms", "mode_reason", "planned_at_unix_ms", "cached_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     RESOURCE_NEED_FIELD_NUMBER: _ClassVar[int]
     DECISION_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +135,7 @@ class RoutePlan(_message.Message):
     RESERVATION_EXPIRES_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     MODE_REASON_FIELD_NUMBER: _ClassVar[int]
     PLANNED_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     resource_need: ResourceNeed
     decision: RouteDecision
@@ -151,7 +156,8 @@ class RoutePlan(_message.Message):
     reservation_expires_at_unix_ms: int
     mode_reason: str
     planned_at_unix_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., resource_need: _Optional[_Union[ResourceNeed, str]] = ..., decision: _Optional[_Union[RouteDecision, str]] = ..., mode: _Optional[_Union[ExecutionMode, str]] = ..., prefill_worker_id: _Optional[str] = ..., prefill_pool_id: _Optional[str] = ..., prefill_endpoint: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., decode_pool_id: _Optional[str] = ..., decode_endpoint: _Optional[str] = ..., estimates: _Optional[_Union[Estimates, _Mapping]] = ..., serving_action: _Optional[_Union[ServingAction, _Mapping]] = ..., kv_session_id: _Optional[str] = ..., fallbacks: _Optional[_Iterable[_Union[FallbackStep, _Mapping]]] = ..., route_record_id: _Optional[str] = ..., tier: _Optional[str] = ..., reserved_kv_bytes: _Optional[int] = ..., reservation_expires_at_unix_ms: _Optional[int] = ..., mode_reason: _Optional[str] = ..., planned_at_unix_ms: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., resource_need: _Optional[_Union[ResourceNeed, str]] = ..., decision: _Optional[_Union[RouteDecision, str]] = ..., mode: _Optional[_Union[ExecutionMode, str]] = ..., prefill_worker_id: _Optional[str] = ..., prefill_pool_id: _Optional[str] = ..., prefill_endpoint: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., decode_pool_id: _Optional[str] = ..., decode_endpoint: _Optional[str] = ..., estimates: _Optional[_Union[Estimates, _Mapping]] = ..., serving_action: _Optional[_Union[ServingAction, _Mapping]] = ..., kv_session_id: _Optional[str] = ..., fallbacks: _Optional[_Iterable[_Union[FallbackStep, _Mapping]]] = ..., route_record_id: _Optional[str] = ..., tier: _Optional[str] = ..., reserved_kv_bytes: _Optional[int] = ..., reservation_expires_at_unix_ms: _Optional[int] = ..., mode_reason: _Optional[str] = ..., planned_at_unix_ms: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class ScheduleResponse(_message.Message):
     __slots__ = ("plan", "replayed")

@@ -50,7 +50,7 @@ from .domain import (
     WorkerView,
 )
 from .errors import ConfigError, InvalidInputError, PolicyError, UnknownPluginError
-from .fleet import Fleet, WorkerState
+from .fleet import Fleet, PromptMix, WorkerState
 from .framework import Candidate, Filter, FilterResult, Option, Picker, PluginRegistry, Scorer
 from .links import Link, LinkModel, Locality
 from .mechanisms import choose_handoff, classify_need, evaluate_capability, route_with_fallback
@@ -91,6 +91,7 @@ __all__ = [
     "PluginRegistry",
     "PolicyError",
     "Profile",
+    "PromptMix",
     "Protects",
     "RebalancePlan",
     "RejectClass",

@@ -33,6 +33,8 @@ from typing import Any
 
 import yaml
 
+from hpd_common.yamlsafe import YamlLimitError, load_bounded
+
 from .domain import ResourceNeed, Role, Tier
 from .errors import ConfigError, InvalidInputError
 from .framework import Filter, Picker, Plugin, PluginRegistry, Scorer
@@ -430,7 +432,9 @@ def load_profile(source: str | Path, registry: PluginRegistry = REGISTRY) -> Pro
         except OSError as exc:
             raise ConfigError("profile", f"cannot read {source}: {exc.strerror}") from None
     try:
-        doc = yaml.safe_load(text)
+        doc = load_bounded(text)
+    except YamlLimitError as exc:
+        raise ConfigError("profile", f"refused: {exc}") from None
     except yaml.YAMLError as exc:
         raise ConfigError("profile", f"invalid YAML: {exc}") from None
     return parse_profile(doc, registry)

@@ -79,8 +79,9 @@ class RoutePlan:
     decode_pool_id: str
     decode_endpoint: str
     decode_kv_bytes: int
-    prefill_tokens: int
+    prefill_tokens: int  # the prompt tokens the prefill worker computes (cached ones left out)
     estimates: Estimates
+    cached_tokens: int = 0  # the prompt's prefix the prefill worker's engine already holds
 
 
 @dataclass(frozen=True, slots=True)
@@ -362,6 +363,7 @@ class Decision:
                 "decode_endpoint": plan.decode_endpoint,
                 "decode_kv_bytes": plan.decode_kv_bytes,
                 "prefill_tokens": plan.prefill_tokens,
+                "cached_tokens": plan.cached_tokens,
                 "estimates": {
                     "kv_bytes": e.kv_bytes,
                     "transfer_ms": None if e.transfer_ms is None else round(e.transfer_ms, 3),

@@ -174,11 +174,18 @@ class WorkerView:
     hbm_gbps: float | None = None
 
 
+MAX_PREFIX_BLOCKS = 8192  # 1M tokens at 128 per block
+MAX_PREFIX_BLOCK_TOKENS = 4096
+
+
 @dataclass(frozen=True, slots=True)
 class Request:
     """One request to place.
 
     ``prefix_hints``: worker ids or pool ids known to hold a cached prefix of this prompt.
+    ``prefix_blocks``: the prompt's block-chain keys (``policy.prefix``), each standing for
+    ``prefix_block_tokens`` tokens; a worker's cached tokens for the request are its longest
+    held prefix of them, and its prefill estimate counts only the rest.
     ``preferred_pool``: a pool the caller wants (sticky routing); when it cannot execute the
     request the decision is a REROUTE and the record says why.
     """
@@ -191,6 +198,8 @@ class Request:
     prefix_hints: tuple[str, ...] = ()
     model_revision: str = ""
     preferred_pool: str = ""
+    prefix_blocks: tuple[int, ...] = ()
+    prefix_block_tokens: int = 0
 
     def validate(self) -> None:
         """Raise :class:`InvalidInputError` naming the first bad field."""
@@ -210,6 +219,14 @@ class Request:
             raise InvalidInputError(
                 "expected_output_tokens", f"must be >= 0, got {self.expected_output_tokens}"
             )
+        if self.prefix_blocks:
+            if not 1 <= self.prefix_block_tokens <= MAX_PREFIX_BLOCK_TOKENS:
+                raise InvalidInputError(
+                    "prefix_block_tokens",
+                    f"must be 1..{MAX_PREFIX_BLOCK_TOKENS} with prefix_blocks",
+                )
+            if len(self.prefix_blocks) > MAX_PREFIX_BLOCKS:
+                raise InvalidInputError("prefix_blocks", f"at most {MAX_PREFIX_BLOCKS} blocks")
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,8 @@ deeper: at 256 workers, about 260 us per decision with no reservations and 700-8
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Iterable, Mapping
+import math
+from collections.abc import Callable, Collection, Container, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -37,7 +38,7 @@ from .domain import SCHEDULABLE_HEALTH, Role, Stage, WorkerView
 from .errors import InvalidInputError
 from .links import Link, LinkModel
 
-__all__ = ["PRESELECT_KEYS", "Fleet", "ModelIndex", "WorkerState"]
+__all__ = ["PRESELECT_KEYS", "Fleet", "ModelIndex", "PromptMix", "WorkerState"]
 
 _CLAMP_LO, _CLAMP_HI = 0.25, 4.0
 _ROLES = (Role.PREFILL, Role.DECODE)
@@ -58,6 +59,8 @@ class WorkerState:
         "conf",
         "ctx_tokens",
         "fmt",
+        "held",
+        "held_block_tokens",
         "idx",
         "kv_avail",
         "kv_total",
@@ -117,6 +120,9 @@ class WorkerState:
         self.live_kv = 0
         self.live_tokens = 0
         self.fmt = 0
+        # the prefix keys this worker's engine holds (policy.prefix), None when unknown
+        self.held: Container[int] | None = None
+        self.held_block_tokens = 0
 
     # -- live figures (snapshot + reservations) -------------------------------------------
 
@@ -243,9 +249,67 @@ class ModelIndex:
         return {p: tuple(sorted(r)) for p, r in out.items()}
 
 
+def plausible(cap: Capacity) -> bool:
+    """Every figure the planner divides by or multiplies with is finite and positive (a
+    capacity from, say, a subnormal peak TFLOPs would divide by zero downstream)."""
+    figures = (
+        cap.prefill_tps,
+        cap.weights_ms,
+        cap.floor_ms,
+        cap.hbm_gbps_total,
+        float(cap.kv_bytes_per_token),
+    )
+    if not all(math.isfinite(x) and x > 0 for x in figures):
+        return False
+    return all(math.isfinite(x) and x >= 0 for x in (cap.lin_ms, cap.quad_ms, cap.kv_ms_per_token))
+
+
+def kv_can_flow(src: WorkerView, dst: WorkerView) -> bool:
+    """False when the engines' KV connectors cannot move KV this way: the ``kv-role`` label
+    (set by ``hpd agent``) of the source is ``consumer`` or the destination's ``producer``
+    (vLLM's ``kv_consumer`` / ``kv_producer``). No label: no constraint."""
+    return src.labels.get("kv-role") != "consumer" and dst.labels.get("kv-role") != "producer"
+
+
 @lru_cache(maxsize=1024)
 def _negotiate(src: KvFormat, dst: KvFormat, policy: KvPolicy) -> Negotiation:
     return negotiate(src, dst, policy)
+
+
+class PromptMix:
+    """The prompt length the snapshot counts a queued request as (``Fleet.build``'s
+    ``ref_prompt_tokens``): an exponentially weighted mean of the prompts seen, so that a
+    queue of 40k-token prompts is not priced as a queue of 1k-token ones. Engines report
+    how many requests wait, not how long they are; a fixed reference fitted one trace's
+    mean (1,024 tokens: the Azure conversation trace) and made every queue of a long-context
+    trace look 13x shorter than it was (the Mooncake trace: prefill waits predicted at 50 ms
+    were 1.8 s in the simulator).
+
+    ``alpha`` (0.02): the weight of each new prompt, about 50 requests of memory, which
+    follows a shift in the mix within seconds at a few requests per second yet does not jump
+    with one outlier. The value reported is rounded to a geometric grid (steps of x1.25),
+    so consecutive snapshots mostly keep the same reference and reuse their workers'
+    capacity entries (``Fleet.build(previous=..)``)."""
+
+    __slots__ = ("alpha", "mean")
+
+    def __init__(self, initial_tokens: float = 1024.0, alpha: float = 0.02) -> None:
+        if not 0.0 < alpha <= 1.0:
+            raise ValueError("alpha must be in (0, 1]")
+        self.alpha = alpha
+        self.mean = max(1.0, initial_tokens)
+
+    def observe(self, prompt_tokens: int) -> None:
+        if prompt_tokens > 0:
+            self.mean += self.alpha * (prompt_tokens - self.mean)
+
+    def ref_tokens(self) -> int:
+        """The mean on the grid 1.25^k, at least 16 tokens."""
+        k = round(math.log(max(self.mean, 16.0)) / _GRID_LOG)
+        return max(16, round(math.exp(k * _GRID_LOG)))
+
+
+_GRID_LOG = math.log(1.25)
 
 
 class Fleet:
@@ -261,6 +325,7 @@ class Fleet:
         "indexes",
         "kv_policy",
         "links",
+        "prefix_heads",
         "ref_tokens",
         "staleness",
         "states",
@@ -275,6 +340,7 @@ class Fleet:
         self.staleness = StalenessPolicy()
         self.ref_tokens = 1024
         self.built_at_s = 0.0
+        self.prefix_heads: Mapping[int, Collection[str]] | None = None
         self._link_cache: dict[tuple[int, int], Link] = {}
         self._model_kv: dict[str, int] = {}
         self._fmt_ids: dict[KvFormat, int] = {}
@@ -290,6 +356,8 @@ class Fleet:
         staleness: StalenessPolicy | None = None,
         ref_prompt_tokens: int = 1024,
         previous: Fleet | None = None,
+        prefix: Mapping[str, tuple[int, Container[int]]] | None = None,
+        prefix_heads: Mapping[int, Collection[str]] | None = None,
     ) -> Fleet:
         """Index ``workers`` as of ``now_s``. Duplicate worker ids raise
         :class:`InvalidInputError`. Cost: O(N) plus one sort per preselection key used.
@@ -297,13 +365,19 @@ class Fleet:
         ``previous``: the snapshot this one replaces. A worker whose view is the very same
         object there (unchanged since) keeps its resolved GPU and capacity, the costly part of
         a worker's entry, when the reference prompt is the same; a service rebuilding every
-        second for report confidence then pays for the workers that changed, not the fleet."""
+        second for report confidence then pays for the workers that changed, not the fleet.
+
+        ``prefix``: per worker id, its engine's tokens per block and the prefix keys it holds
+        (``PrefixIndex.entries``: live views, so the snapshot sees blocks stored after it
+        was built). ``prefix_heads``: per prompt-start key, the workers holding it
+        (``PrefixIndex.heads``), so a decision finds a prompt's holders without a scan."""
         fleet = cls()
         fleet.links = links or LinkModel()
         fleet.kv_policy = kv_policy
         fleet.staleness = staleness or StalenessPolicy()
         fleet.ref_tokens = ref_prompt_tokens
         fleet.built_at_s = now_s
+        fleet.prefix_heads = prefix_heads
         reuse = previous.by_id if previous is not None else {}
         if previous is not None and previous.ref_tokens != ref_prompt_tokens:
             reuse = {}
@@ -313,22 +387,34 @@ class Fleet:
                 raise InvalidInputError("worker_id", f"duplicate worker {view.worker_id!r}")
             prior = reuse.get(view.worker_id)
             cap: Capacity | None = None
+            reason: str | None = None
             if prior is not None and prior.view is view:
                 cap = prior.cap
             else:
                 gpu = resolve_gpu(view)
-                if gpu is not None:
-                    cap = capacity_for(view, gpu, ref_prompt_tokens)
-            reason: str | None = None
-            if cap is None:
-                reason = "unknown_gpu_profile"
-            elif view.health not in SCHEDULABLE_HEALTH:
+                if gpu is None:
+                    reason = "unknown_gpu_profile"
+                else:
+                    try:
+                        cap = capacity_for(view, gpu, ref_prompt_tokens)
+                    except (ArithmeticError, ValueError):
+                        cap = None
+                    if cap is None or not plausible(cap):
+                        # figures that make no sense leave this worker out, with its reason:
+                        # never an error for every request of its model
+                        cap = None
+                        reason = "implausible_capacity"
+            if reason is None and view.health not in SCHEDULABLE_HEALTH:
                 reason = str(view.health.value)
             ws: WorkerState | None = None
             if cap is not None:
                 ws = WorkerState(
                     view, cap, len(fleet.states), now_s, fleet.staleness, ref_prompt_tokens
                 )
+                if prefix is not None:
+                    entry = prefix.get(view.worker_id)
+                    if entry is not None:
+                        ws.held_block_tokens, ws.held = entry
                 fleet.states.append(ws)
                 fleet.by_id[view.worker_id] = ws
             for role in roles:
@@ -390,7 +476,8 @@ class Fleet:
     ) -> tuple[float, float, float, tuple[str, ...]] | None:
         """Per-byte hand-off figures for the pair, cached per snapshot:
         ``(ms per byte over the link, link latency ms, conversion ms per byte, reasons)``,
-        or None when the KV formats cannot be exchanged (the decode side must recompute).
+        or None when the KV formats cannot be exchanged, or the engines' connectors do not
+        move KV this way (:func:`kv_can_flow`): the decode side must recompute.
         ``transfer_ms(bytes) = bytes x (link + conversion ms per byte) + latency``."""
         key = (src.idx, dst.idx)
         hit = self._handoff_cache.get(key, _MISS)
@@ -398,7 +485,7 @@ class Fleet:
             return hit  # type: ignore[return-value]
         neg = _negotiate(src.view.kv_format, dst.view.kv_format, self.kv_policy)
         terms: tuple[float, float, float, tuple[str, ...]] | None = None
-        if neg.transferable:
+        if neg.transferable and kv_can_flow(src.view, dst.view):
             link = self.link(src, dst)
             terms = (
                 8.0 / (link.gbps * 1e6),

@@ -24,6 +24,7 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar
 from .domain import Mode, Request, ResourceNeed, Role, Tier
 from .errors import ConfigError, UnknownPluginError
 from .fleet import Fleet, ModelIndex, WorkerState
+from .prefix import cached_tokens
 
 __all__ = [
     "KEBAB",
@@ -45,7 +46,16 @@ KEBAB = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$")
 class RequestContext:
     """Everything a plugin may read about the request being placed (built once per plan)."""
 
-    __slots__ = ("decode_index", "fleet", "need", "now_s", "prefill_index", "request", "tier")
+    __slots__ = (
+        "decode_index",
+        "fleet",
+        "matched",
+        "need",
+        "now_s",
+        "prefill_index",
+        "request",
+        "tier",
+    )
 
     def __init__(
         self,
@@ -64,6 +74,8 @@ class RequestContext:
         self.fleet = fleet
         self.prefill_index = prefill_index
         self.decode_index = decode_index
+        # worker idx -> blocks of the request's prefix it holds (>= 1 only), once per plan
+        self.matched: dict[int, int] | None = None
 
 
 _DECODE = Role.DECODE
@@ -74,15 +86,35 @@ class Candidate:
     """A worker considered for one role of one request, with request-specific estimates.
 
     ``wait_ms``: queued prefill work ahead of this request (prefill role or a local option);
-    ``run_ms``: this worker's prefill time for the prompt; ``step_ms``: predicted decode
+    ``cached_tokens``: the prompt's prefix this worker's engine holds (``policy.prefix``);
+    ``run_ms``: this worker's prefill time for the rest of the prompt, ``f(P) - f(C)`` with
+    ``f(n) = lin x n + quad x n^2`` (the new tokens' own cost plus their attention to the
+    cached ones; the perf model's prefill FLOPs); ``step_ms``: predicted decode
     step with this request added; ``kv_need``: KV bytes of prompt + output in this worker's
     format. ``factors`` holds the per-scorer values, ``score`` the weighted total of the
     pair-independent scorers (normalised by their weights).
     """
 
-    __slots__ = ("factors", "kv_need", "role", "run_ms", "score", "step_ms", "wait_ms", "ws")
+    __slots__ = (
+        "cached_tokens",
+        "factors",
+        "kv_need",
+        "role",
+        "run_ms",
+        "score",
+        "step_ms",
+        "wait_ms",
+        "ws",
+    )
 
-    def __init__(self, ws: WorkerState, role: Role, request: Request, ref_tokens: int) -> None:
+    def __init__(
+        self,
+        ws: WorkerState,
+        role: Role,
+        request: Request,
+        ref_tokens: int,
+        matched: int = -1,
+    ) -> None:
         # The estimates are WorkerState.prefill_wait_ms(), .prefill_ms(prompt) and
         # .step_ms(extra) written out: a decision builds ~15 candidates and the method calls
         # were a third of their cost (a unit test holds the two forms equal).
@@ -92,7 +124,25 @@ class Candidate:
         m_p = ws.m_p
         prompt = request.prompt_tokens
         n = float(prompt)
-        run = cap.lin_ms * n + cap.quad_ms * n * n
+        held = ws.held
+        cached = 0
+        blocks = request.prefix_blocks
+        if matched >= 0:  # known for this plan (planner.prefix_matches)
+            if matched and prompt > 1:
+                cached = min(matched * request.prefix_block_tokens, prompt - 1)
+        elif (
+            held is not None
+            and blocks
+            and blocks[0] in held  # most workers fail here: no call, no match loop
+            and ws.held_block_tokens == request.prefix_block_tokens
+        ):
+            cached = cached_tokens(blocks, held, request.prefix_block_tokens, prompt)
+        self.cached_tokens = cached
+        if cached:
+            k = float(cached)
+            run = cap.lin_ms * (n - k) + cap.quad_ms * (n * n - k * k)
+        else:
+            run = cap.lin_ms * n + cap.quad_ms * n * n
         self.run_ms = (run if run > cap.floor_ms else cap.floor_ms) * m_p
         self.wait_ms = (ws.backlog_tokens + ws.live_tokens) / cap.prefill_tps * 1000.0 * m_p
         self.kv_need = (prompt + request.expected_output_tokens) * cap.kv_bytes_per_token

@@ -144,8 +144,9 @@ class LabelParams:
     match: str = ""
 
     def __post_init__(self) -> None:
-        for part in filter(None, (p.strip() for p in self.match.split(","))):
-            if "=" not in part:
+        for raw in self.match.split(","):
+            part = raw.strip()
+            if part and "=" not in part:
                 raise InvalidInputError("match", f"expected key=value, got {part!r}")
 
 
@@ -306,12 +307,20 @@ class SeedModelScorer(Scorer):
 
 
 class PrefixCacheScorer(Scorer):
-    """Model/prefix cache factor: 1 when the worker or its pool is named in the request's
-    prefix hints, 0.5 when hints name others, 1 for everyone without hints."""
+    """Prefix cache factor. With the prompt's block chain (``Request.prefix_blocks``): the
+    share of the prompt this worker's engine holds, ``cached_tokens / prompt_tokens`` (cache
+    affinity; the load and queue scorers and the TTFT estimate, which already counts only
+    uncached tokens, weigh it against the wait a popular worker builds up, so a hot prefix
+    spreads once its holder's queue costs more than the tokens it saves). Without a chain,
+    the seed's hint rule: 1 when the worker or its pool is named in the prefix hints, 0.5
+    when hints name others, 1 for everyone without hints."""
 
     type_name: ClassVar[str] = "prefix-cache-scorer"
 
     def score(self, c: Candidate, ctx: RequestContext) -> float:
+        req = ctx.request
+        if req.prefix_blocks:
+            return c.cached_tokens / req.prompt_tokens if req.prompt_tokens > 0 else 0.0
         hints = ctx.request.prefix_hints
         if not hints:
             return 1.0

@@ -48,6 +48,8 @@ class Action(enum.StrEnum):
     LOWER_BATCH_CAP = "lower_batch_cap"
     FALLBACK_TO_SHARED = "fallback_to_shared"
     SHED_LOWEST_TIER = "shed_lowest_tier"
+    # not a ladder step: what a rejected request's record names (nothing was routed)
+    REJECT = "reject"
 
 
 class Protects(enum.StrEnum):
@@ -57,6 +59,8 @@ class Protects(enum.StrEnum):
     LATENCY = "latency"
     RESIDENCY = "residency"
     HIGHER_TIERS = "higher_tiers"
+    # a reject because no worker could ever run the request protects nothing
+    NOTHING = "nothing"
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,16 @@ The model of one worker (one engine on ``tp`` GPUs) is a single serial executor 
 * **decode iteration** (continuous batching): one token for every running sequence,
   ``perfmodel.decode_step_ms(batch, total context)``; sequences whose KV arrived during the
   previous iteration join at the next boundary, finished ones leave at the end of theirs.
+* **prefix cache** (requests with prefix-block ids, as the Mooncake trace's ``hash_ids``):
+  each worker keeps the ids of the blocks it computed or received, LRU, up to its KV memory
+  in blocks of ``prefix_block_tokens`` (an engine's prefix cache is its free KV blocks, so
+  this is an upper bound). A prefill computes only the tokens after the longest held prefix
+  of its request's ids (``perfmodel.prefill_ms(.., cached_tokens)``, at least the last
+  token); a worker that ran a prefill or received a transfer then holds all of the
+  request's blocks. The policy sees every worker's cache live (``Fleet.build(prefix=..)``),
+  as a scheduler following engines' KV events does, slightly idealised. A KV transfer
+  moves only the blocks the decode worker's cache lacks (vLLM's decode side counts its own
+  prefix hits before it pulls the rest).
 * **KV memory**: a sequence reserves ``prompt + output`` tokens of KV on its decode worker at
   admission (no preemption) and frees them when it finishes; capacity is
   ``perfmodel.max_kv_tokens``. Admission is FIFO and also bounded by the worker's max batch.
@@ -66,12 +76,14 @@ from hpd_scheduler.policy import (
     Mode,
     Planner,
     Profile,
+    PromptMix,
     Request,
     StalenessPolicy,
     WorkerView,
     apply_reservations,
 )
 
+from ..policy.prefix import PrefixIndex, cached_tokens
 from .cluster import ClusterSpec
 
 __all__ = ["RequestOutcome", "SimConfig", "SimResult", "Simulator", "simulate", "tbt_ms"]
@@ -92,6 +104,8 @@ class SimConfig:
     report_interval_s: float = 0.0
     util_tau_s: float = 1.0
     keep_gaps: bool = False
+    prefix_cache: bool = True
+    prefix_block_tokens: int = 512  # the Mooncake trace's block (its hash_ids)
 
 
 @dataclass(slots=True)
@@ -151,6 +165,9 @@ class SimResult:
     kinds: dict[str, int] = field(default_factory=dict)
     reject_reasons: dict[str, int] = field(default_factory=dict)
     busy_fraction: dict[str, float] = field(default_factory=dict)
+    cached_prompt_tokens: int = 0  # prompt tokens prefills did not compute (prefix hits)
+    prompt_tokens: int = 0  # prompt tokens of every prefill run
+    prefix_blocks_max: int = 0  # the largest per-worker prefix index (blocks) at the end
 
 
 class _Pipe:
@@ -278,6 +295,16 @@ class Simulator:
         gpu_of = {p.pool_id: p.gpu for p in cluster.pools}
         self.workers = [_Worker(i, v, gpu_of[v.pool_id]) for i, v in enumerate(views)]
         self.by_id = {w.view.worker_id: w for w in self.workers}
+        bt = self.config.prefix_block_tokens
+        self._prefix = self.config.prefix_cache and any(r.hash_ids for r in self.requests)
+        # every worker's prefix cache, as the scheduler's own index models one (policy.prefix)
+        self.prefix = PrefixIndex()
+        for w in self.workers:
+            self.prefix.stored(w.view.worker_id, (), bt)
+            self.prefix.set_capacity(w.view.worker_id, max(1, w.kv_cap // bt if bt > 0 else 1))
+        self._cached_tokens = 0
+        self._prefill_tokens = 0
+        self.prompt_mix = PromptMix()
         self.model = cluster.model
         self.eff = cluster.efficiency
         self.pipes: dict[tuple[str, ...], _Pipe] = {}
@@ -419,7 +446,17 @@ class Simulator:
         else:
             stamp = now
         views = [self.view_of(w, stamp) for w in self.workers]
-        self._fleet = Fleet.build(views, now, links=self.cluster.links, staleness=self.staleness)
+        ix = self.prefix
+        self._fleet = Fleet.build(
+            views,
+            now,
+            links=self.cluster.links,
+            staleness=self.staleness,
+            ref_prompt_tokens=self.prompt_mix.ref_tokens(),
+            previous=self._fleet,
+            prefix=ix.entries if self._prefix else None,
+            prefix_heads=ix.heads if self._prefix else None,
+        )
         self.fleet_builds += 1
         return self._fleet
 
@@ -428,6 +465,7 @@ class Simulator:
     def _arrive(self, i: int, now: float) -> None:
         r = self.requests[i]
         out = self.outcomes[i]
+        self.prompt_mix.observe(r.prompt_tokens)
         fleet = self._fleet_now(now)
         req = Request(
             request_id=f"r{i}",
@@ -435,6 +473,8 @@ class Simulator:
             prompt_tokens=r.prompt_tokens,
             expected_output_tokens=r.output_tokens,
             tier=out.tier,
+            prefix_blocks=r.hash_ids if self._prefix else (),
+            prefix_block_tokens=self.config.prefix_block_tokens if self._prefix else 0,
         )
         decision = self.planner.plan(req, fleet, now, self.rng)
         self.decisions += 1
@@ -495,7 +535,15 @@ class Simulator:
     def _start_transfer(self, i: int, src: _Worker, dst: _Worker, now: float) -> None:
         r = self.requests[i]
         pidx, delay_s, conv_ms_per_byte = self._pipe_for(src, dst)
-        nbytes = r.prompt_tokens * src.bpt
+        held = 0
+        if self._prefix and r.hash_ids:  # the decode engine pulls only what it lacks
+            held = cached_tokens(
+                r.hash_ids,
+                self.prefix.held(dst.view.worker_id),
+                self.config.prefix_block_tokens,
+                r.prompt_tokens,
+            )
+        nbytes = (r.prompt_tokens - held) * src.bpt
         extra_s = delay_s + nbytes * conv_ms_per_byte * 1e-3
         pipe = self.pipe_list[pidx]
         pipe.advance(now)
@@ -525,7 +573,15 @@ class Simulator:
     def _deliver(self, i: int, now: float) -> None:
         """KV arrived on the decode worker: first token; join the batch."""
         _, d_idx, _ = self._plans[i]
-        self._first_token(i, self.workers[d_idx], now)
+        dw = self.workers[d_idx]
+        if self._prefix:
+            self._hold(dw, self.requests[i].hash_ids)
+        self._first_token(i, dw, now)
+
+    def _hold(self, w: _Worker, ids: Sequence[int]) -> None:
+        """The worker now holds these prefix blocks (a trace's ids start at its prompt's
+        first block), most recent."""
+        self.prefix.stored(w.view.worker_id, ids, self.config.prefix_block_tokens, head=True)
 
     def _first_token(self, i: int, w: _Worker, now: float) -> None:
         out = self.outcomes[i]
@@ -545,7 +601,20 @@ class Simulator:
         if w.prefill_q:
             i = w.prefill_q.popleft()
             r = self.requests[i]
-            dur = perfmodel.prefill_ms(self.model, w.gpu, w.tp, r.prompt_tokens, self.eff)
+            cached = 0
+            if self._prefix and r.hash_ids:
+                cached = cached_tokens(
+                    r.hash_ids,
+                    self.prefix.held(w.view.worker_id),
+                    self.config.prefix_block_tokens,
+                    r.prompt_tokens,
+                )
+                self._hold(w, r.hash_ids)
+            self._cached_tokens += cached
+            self._prefill_tokens += r.prompt_tokens
+            dur = perfmodel.prefill_ms(
+                self.model, w.gpu, w.tp, r.prompt_tokens - cached, self.eff, cached
+            )
             w.iter_kind = 0
             w.iter_payload = i
             w.busy = True
@@ -681,6 +750,9 @@ class Simulator:
             kinds=dict(self.kinds),
             reject_reasons=dict(self.reject_reasons),
             busy_fraction={w.view.worker_id: w.busy_total / end for w in workers},
+            cached_prompt_tokens=self._cached_tokens,
+            prompt_tokens=self._prefill_tokens,
+            prefix_blocks_max=max((self.prefix.size(w.view.worker_id) for w in workers), default=0),
         )
 
 

@@ -121,8 +121,10 @@ class ClientTiming:
 class WorkerClient:
     """One worker's connection to the control plane (module docstring).
 
-    ``registry`` and ``broker`` are open channels (shared by many clients in one process);
-    ``load_fn`` returns the engine's current figures (stamped with ``clock`` when sent);
+    ``registry`` and ``broker`` are open channels (shared by many clients in one process;
+    ``broker`` may be None for a client that takes no part in KV sessions, like an engine's
+    agent); ``load_fn`` returns the engine's current figures (stamped with ``clock`` when
+    sent), or None when it has none worth sending (a failed scrape);
     ``on_directive`` is called, on the event loop, for every directive received.
     """
 
@@ -130,8 +132,8 @@ class WorkerClient:
         self,
         capability: c.WorkerCapability,
         registry: grpc.aio.Channel,
-        broker: grpc.aio.Channel,
-        load_fn: Callable[[], LoadReport],
+        broker: grpc.aio.Channel | None,
+        load_fn: Callable[[], LoadReport | None],
         clock: Clock,
         rng: random.Random,
         on_directive: Callable[[c.Directive], None] | None = None,
@@ -141,7 +143,7 @@ class WorkerClient:
         self.capability = capability
         self.worker_id: str = capability.worker_id
         self._registry = r_grpc.RegistryServiceStub(registry)
-        self._broker = kb_grpc.KvBrokerServiceStub(broker)
+        self._broker_stub = None if broker is None else kb_grpc.KvBrokerServiceStub(broker)
         self._load_fn = load_fn
         self._clock = clock
         self._rng = rng
@@ -217,16 +219,24 @@ class WorkerClient:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
 
+    @property
+    def _broker(self) -> kb_grpc.KvBrokerServiceStub:
+        if self._broker_stub is None:
+            raise RuntimeError("this WorkerClient was made without a broker channel")
+        return self._broker_stub
+
     def _report(self, first: bool) -> r.StreamHeartbeatsRequest:
-        load = load_to_pb(self._load_fn())
-        load.reported_at_unix_ms = self._clock.now_ms()
-        return r.StreamHeartbeatsRequest(
+        figures = self._load_fn()
+        msg = r.StreamHeartbeatsRequest(
             worker_id=self.worker_id if first else "",
             credential=self.credential if first else "",
-            load=load,
             reported_health=self._health,
             health_reason=self._health_reason,
         )
+        if figures is not None:  # None: alive, no figures worth sending (renews the lease)
+            msg.load.CopyFrom(load_to_pb(figures))
+            msg.load.reported_at_unix_ms = self._clock.now_ms()
+        return msg
 
     async def _reports(self) -> AsyncIterator[r.StreamHeartbeatsRequest]:
         yield self._report(first=True)

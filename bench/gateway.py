@@ -1,0 +1,228 @@
+"""hpd gateway against the peer router (vllm-router, P/D mode) on the same two real engines.
+
+Setup (``hpd_fleet.real.RealStack``): a prefill and a decode vLLM engine (CPU build, NIXL KV
+transfer, one core each), ``hpd up``, an agent per engine, ``hpd gateway``, and
+``vllm-router --vllm-pd-disaggregation`` over the same two engines. Three arms, each
+request streamed, TTFT measured by this client at the first token event:
+
+* ``direct``: this script runs vLLM's hand-off itself (prefill POST, then the decode
+  stream): the floor, with no proxy at all;
+* ``router``: the peer router;
+* ``gateway``: hetero-pd's gateway (token count, Schedule, the hand-off, session and
+  outcome reports).
+
+Phase 1 (latency, one request at a time): rounds of one request per arm, the arm order
+shuffled each round, every request a fresh prompt (so no arm profits from another's prefix
+cache), prompt lengths and output lengths drawn from one seeded mix. Phase 2 (throughput,
+8 requests in flight): the same number of requests per arm, the arms run A-B-C then C-B-A
+and each arm's two passes averaged (drift on a shared machine cancels).
+
+Figures (``--json``): ``ttft_p50_vs_vllm_router``, ``ttft_p99_vs_vllm_router`` (gateway /
+router), ``throughput_vs_vllm_router_c8`` (gateway / router), and the gateway's added
+latency per request, ``gateway_added_ms_p50`` / ``_p99``: its TTFT minus the direct arm's
+in the same round (its own time outside the engines, plus the noise of one round).
+
+    .venv/bin/python bench/gateway.py --quick --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from hpd_fleet.real import RealStack
+
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "prefill",
+    "and",
+    "decode",
+    "share",
+    "one",
+    "cache",
+    "across",
+    "the",
+    "link",
+    "or",
+    "recompute",
+    "it",
+    "on",
+    "the",
+    "other",
+    "side",
+    "of",
+    "a",
+    "heterogeneous",
+    "fleet",
+]
+
+
+def prompt(rng: random.Random, n_words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n_words))
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    if not s:
+        return float("nan")
+    k = min(len(s) - 1, max(0, round(q * (len(s) - 1))))
+    return s[k]
+
+
+async def _stream(
+    http: aiohttp.ClientSession, url: str, body: dict[str, Any], t0: float
+) -> tuple[float, int]:
+    """(TTFT seconds from t0, token events) of one streamed completion."""
+    ttft = 0.0
+    tokens = 0
+    async with http.post(url, json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"{url}: HTTP {resp.status}: {(await resp.text())[:200]}")
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                break
+            event = json.loads(payload)
+            if event.get("choices"):
+                tokens += 1
+                if tokens == 1:
+                    ttft = time.perf_counter() - t0
+    if tokens == 0:
+        raise RuntimeError(f"{url}: no token")
+    return ttft, tokens
+
+
+async def one(
+    http: aiohttp.ClientSession, arm: str, stack: RealStack, text: str, max_tokens: int
+) -> float:
+    body: dict[str, Any] = {
+        "model": "tiny", "prompt": text, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True, "stream": True,
+    }  # fmt: skip
+    t0 = time.perf_counter()
+    if arm == "direct":
+        pre = stack.engines["prefill"].url + "/v1/completions"
+        first_body = {**body, "stream": False, "max_tokens": 1,
+                      "kv_transfer_params": {"do_remote_decode": True}}  # fmt: skip
+        async with http.post(pre, json=first_body) as resp:
+            params = (await resp.json())["kv_transfer_params"]
+        dec = stack.engines["decode"].url + "/v1/completions"
+        ttft, _ = await _stream(http, dec, {**body, "kv_transfer_params": params}, t0)
+        return ttft
+    base = stack.gateway_url if arm == "gateway" else stack.router_url
+    ttft, _ = await _stream(http, base + "/v1/completions", body, t0)
+    return ttft
+
+
+def mix(rng: random.Random) -> tuple[int, int]:
+    """(prompt words, max tokens): short chat turns to long-context prompts."""
+    return rng.choice((40, 120, 250, 400)), rng.choice((8, 16, 32))
+
+
+async def latency_phase(
+    stack: RealStack, rounds: int, rng: random.Random
+) -> dict[str, list[float]]:
+    ttft: dict[str, list[float]] = {"direct": [], "router": [], "gateway": []}
+    async with aiohttp.ClientSession() as http:
+        for arm in ttft:  # warm every path once (connections, engine caches of the code)
+            await one(http, arm, stack, prompt(rng, 50), 4)
+        for i in range(rounds):
+            words, max_tokens = mix(rng)
+            arms = list(ttft)
+            rng.shuffle(arms)
+            for arm in arms:
+                ttft[arm].append(await one(http, arm, stack, prompt(rng, words), max_tokens))
+            if (i + 1) % 10 == 0:
+                print(f"  latency: {i + 1}/{rounds} rounds", file=sys.stderr, flush=True)
+    return ttft
+
+
+async def throughput_pass(stack: RealStack, arm: str, n: int, rng: random.Random) -> float:
+    jobs = [(prompt(rng, mix(rng)[0]), mix(rng)[1]) for _ in range(n)]
+    queue: asyncio.Queue[tuple[str, int]] = asyncio.Queue()
+    for j in jobs:
+        queue.put_nowait(j)
+
+    async def worker(http: aiohttp.ClientSession) -> None:
+        while not queue.empty():
+            text, max_tokens = queue.get_nowait()
+            await one(http, arm, stack, text, max_tokens)
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(http) for _ in range(8)))
+        return n / (time.perf_counter() - t0)
+
+
+async def throughput_phase(stack: RealStack, n: int, rng: random.Random) -> dict[str, float]:
+    rates: dict[str, list[float]] = {"router": [], "gateway": []}
+    for order in (["router", "gateway"], ["gateway", "router"]):
+        for arm in order:
+            rates[arm].append(await throughput_pass(stack, arm, n, rng))
+            print(f"  throughput c=8: {arm} {rates[arm][-1]:.2f} req/s", file=sys.stderr)
+    return {arm: statistics.fmean(v) for arm, v in rates.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    ap.add_argument("--quick", action="store_true", help="fewer requests (a few minutes)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--seed", type=int, default=7)
+    args = ap.parse_args(argv)
+    rounds, per_pass = (30, 32) if args.quick else (120, 96)
+    rng = random.Random(args.seed)
+    t_setup = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="hpd-bench-gw-") as tmp:
+        print("setting up engines, control plane, gateway and router ...", file=sys.stderr)
+        with RealStack(Path(tmp), with_router=True) as stack:
+            setup_s = time.perf_counter() - t_setup
+            ttft = asyncio.run(latency_phase(stack, rounds, rng))
+            rates = asyncio.run(throughput_phase(stack, per_pass, rng))
+    added = [(g - d) * 1000 for g, d in zip(ttft["gateway"], ttft["direct"], strict=True)]
+    figures = {
+        "ttft_p50_vs_vllm_router": pct(ttft["gateway"], 0.5) / pct(ttft["router"], 0.5),
+        "ttft_p99_vs_vllm_router": pct(ttft["gateway"], 0.99) / pct(ttft["router"], 0.99),
+        "throughput_vs_vllm_router_c8": rates["gateway"] / rates["router"],
+        "gateway_added_ms_p50": pct(added, 0.5),
+        "gateway_added_ms_p99": pct(added, 0.99),
+        "ttft_ms": {
+            arm: {"p50": pct(v, 0.5) * 1000, "p99": pct(v, 0.99) * 1000} for arm, v in ttft.items()
+        },
+        "throughput_c8_req_per_s": rates,
+        "rounds": rounds,
+        "requests_per_pass_c8": per_pass,
+        "setup_s": setup_s,
+        "quick": args.quick,
+    }
+    if args.json:
+        print(json.dumps(figures))
+    else:
+        for k, v in figures.items():
+            print(f"{k}: {v}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,399 @@
+"""Who may call what: bearer tokens, four roles, and one table of every RPC.
+
+A service started with ``auth_tokens_file`` checks every call against :data:`ACCESS`
+before the servicer sees it (:class:`AuthInterceptor`):
+
+| role        | may                                                                    |
+|-------------|------------------------------------------------------------------------|
+| ``worker``  | register, heartbeat, deregister and drain **its own** record (the      |
+|             | registry's per-registration credential names which), report its KV     |
+|             | sessions' progress                                                      |
+| ``gateway`` | Schedule, ReportOutcome of **its own** requests, report, complete and  |
+|             | abort the KV sessions it runs                                          |
+| ``scheduler``| send directives (its serving actions), open and abort KV sessions     |
+| ``operator``| everything: drain, cordon, directives, policy, deregistering others   |
+
+A call with no ``authorization: Bearer <token>`` metadata is UNAUTHENTICATED, a token
+the file does not hold is UNAUTHENTICATED, a role the table does not allow is
+PERMISSION_DENIED. Read-only RPCs (``READ`` below) stay open to anyone while
+``auth_open_reads`` is on (the default), else they need any known token. Health and
+reflection are always open. Which *subject* a caller may touch (a worker's own record, a
+gateway's own requests) is checked by the service, which reads the caller from
+:func:`current`.
+
+Every state-changing call except the per-request and per-heartbeat ones is written to
+the log as an ``audit`` event (at warning level, so any log level keeps it): who, which
+method, on what, and the answer.
+
+The tokens file (YAML), mode 0600 as any secret::
+
+    tokens:
+      - {name: alice, role: operator, token_sha256: 5e884898da28...}   # hash only
+      - {name: gw-1, role: gateway, token: "s3cret-gateway-token"}   # or the token itself
+
+Unset, auth is off (development): every caller may do everything, and the services log
+``auth_off`` at start. Callers present their token with :mod:`hpd_common.channels`.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import hashlib
+import os
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import grpc
+import yaml
+
+from hpd_common.errors import InvalidArgument
+from hpd_common.logging import get_logger
+
+log = get_logger("auth")
+
+
+class Role(StrEnum):
+    WORKER = "worker"
+    GATEWAY = "gateway"
+    SCHEDULER = "scheduler"
+    OPERATOR = "operator"
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """A caller the tokens file names."""
+
+    name: str
+    role: Role
+
+    @property
+    def operator(self) -> bool:
+        return self.role is Role.OPERATOR
+
+
+READ = "read"  # a read-only RPC
+W, G, S = Role.WORKER, Role.GATEWAY, Role.SCHEDULER
+
+# Every RPC of every hetero-pd service: READ, or the roles (beside operator, who may do
+# everything) allowed to call it. A method missing here is refused to everyone but
+# operators, so a new RPC is closed until it is classified (and a test fails until then).
+ACCESS: Mapping[str, str | frozenset[Role]] = {
+    "RegistryService/RegisterWorker": frozenset({W}),
+    "RegistryService/Heartbeat": frozenset({W}),
+    "RegistryService/StreamHeartbeats": frozenset({W}),
+    "RegistryService/DeregisterWorker": frozenset({W}),
+    "RegistryService/DrainWorker": frozenset({W}),  # a worker: its own record only
+    "RegistryService/CordonWorker": frozenset(),
+    "RegistryService/UncordonWorker": frozenset(),
+    "RegistryService/SendDirective": frozenset({S}),
+    "RegistryService/ReportKvEvents": frozenset({W}),  # its own engine's, by credential
+    "RegistryService/GetWorker": READ,
+    "RegistryService/ListWorkers": READ,
+    "RegistryService/ListPools": READ,
+    "RegistryService/WatchWorkers": READ,
+    "SchedulerService/Schedule": frozenset({G}),
+    "SchedulerService/ReportOutcome": frozenset({G}),  # its own requests only
+    "SchedulerService/ReloadPolicy": frozenset(),
+    "SchedulerService/GetRouteRecord": READ,
+    "SchedulerService/ListRouteRecords": READ,
+    "SchedulerService/GetPolicy": READ,
+    "SchedulerService/GetRecommendations": READ,
+    "KvBrokerService/Negotiate": READ,
+    "KvBrokerService/GetCompatibilityMatrix": READ,
+    "KvBrokerService/OpenSession": frozenset({S}),
+    "KvBrokerService/ReportProgress": frozenset({W, G}),  # the gateway runs transfers too
+    "KvBrokerService/CompleteSession": frozenset({W, G}),
+    "KvBrokerService/AbortSession": frozenset({W, S, G}),
+    "KvBrokerService/GetSession": READ,
+    "KvBrokerService/WatchSession": READ,
+    "KvBrokerService/ListSessions": READ,
+    "DiagnosticsService/Echo": READ,
+    "DiagnosticsService/EchoRedis": READ,
+}
+
+# high-rate calls whose every instance would drown the audit trail (their effects are in
+# the route records, the registry's change feed and the sessions)
+NOT_AUDITED = frozenset(
+    {
+        "RegistryService/Heartbeat",
+        "RegistryService/StreamHeartbeats",
+        "RegistryService/ReportKvEvents",
+        "SchedulerService/Schedule",
+        "SchedulerService/ReportOutcome",
+        "KvBrokerService/ReportProgress",
+    }
+)
+_PACKAGE = "/hetero_pd.v1."
+_SUBJECT_FIELDS = ("worker_id", "request_id", "session_id")
+
+
+def method_key(full_method: str) -> str | None:
+    """``/hetero_pd.v1.RegistryService/DrainWorker`` -> ``RegistryService/DrainWorker``;
+    None for a method outside hetero-pd (health, reflection)."""
+    if not full_method.startswith(_PACKAGE):
+        return None
+    return full_method[len(_PACKAGE) :]
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+_current: contextvars.ContextVar[Principal | None] = contextvars.ContextVar(
+    "hpd_principal", default=None
+)
+
+
+def current() -> Principal | None:
+    """The caller of the RPC being served; None when auth is off (or on an open read)."""
+    return _current.get()
+
+
+def may_act_for_others() -> bool:
+    """Whether the caller may touch subjects that are not its own (an operator)."""
+    p = _current.get()
+    return p is not None and p.operator
+
+
+class TokenBook:
+    """The tokens file: token hash -> principal."""
+
+    def __init__(self, principals: Mapping[str, Principal]) -> None:
+        self._by_hash = dict(principals)
+
+    def __len__(self) -> int:
+        return len(self._by_hash)
+
+    def lookup(self, token: str) -> Principal | None:
+        return self._by_hash.get(hash_token(token)) if token else None
+
+    @classmethod
+    def load(cls, path: str | Path, field: str = "auth_tokens_file") -> TokenBook:
+        p = Path(path)
+        try:
+            doc = yaml.safe_load(p.read_text())
+        except OSError as exc:
+            raise InvalidArgument(field, f"cannot read {p}: {exc.strerror}") from exc
+        except yaml.YAMLError as exc:
+            raise InvalidArgument(field, f"{p} is not valid YAML: {exc}") from exc
+        return cls.parse(doc, f"{field} ({p})")
+
+    @classmethod
+    def parse(cls, doc: Any, where: str) -> TokenBook:
+        entries = doc.get("tokens") if isinstance(doc, dict) else None
+        if not isinstance(entries, list) or not entries:
+            raise InvalidArgument(where, "must hold `tokens:`, a list of {name, role, token}")
+        out: dict[str, Principal] = {}
+        names: set[str] = set()
+        for i, e in enumerate(entries):
+            at = f"{where} tokens[{i}]"
+            if not isinstance(e, dict):
+                raise InvalidArgument(at, "must be a mapping of name, role and token")
+            name, role = str(e.get("name") or ""), str(e.get("role") or "")
+            if not name:
+                raise InvalidArgument(at, "needs a name")
+            if role not in set(Role):
+                raise InvalidArgument(at, f"role {role!r} is not one of {[r.value for r in Role]}")
+            token, digest = e.get("token"), e.get("token_sha256")
+            if (token is None) == (digest is None):
+                raise InvalidArgument(at, "needs exactly one of token and token_sha256")
+            if token is not None:
+                if len(str(token)) < 16:
+                    raise InvalidArgument(at, "a token must be at least 16 characters")
+                digest = hash_token(str(token))
+            digest = str(digest).lower()
+            if len(digest) != 64 or any(ch not in "0123456789abcdef" for ch in digest):
+                raise InvalidArgument(at, "token_sha256 must be 64 hex digits")
+            if digest in out:
+                raise InvalidArgument(at, "the same token appears twice")
+            if name in names:
+                raise InvalidArgument(at, f"the name {name!r} appears twice")
+            names.add(name)
+            out[digest] = Principal(name, Role(role))
+        return cls(out)
+
+
+def write_tokens_file(path: Path, roles: Sequence[Role] = tuple(Role)) -> dict[Role, str]:
+    """A fresh tokens file with one random token per role (mode 0600); returns them."""
+    tokens = {role: secrets.token_urlsafe(32) for role in roles}
+    doc = {"tokens": [{"name": f"hpd-{r.value}", "role": r.value, "token": t}
+                      for r, t in tokens.items()]}  # fmt: skip
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write("# hetero-pd tokens: who may call what (see `hpd up --help`). Keep secret.\n")
+        yaml.safe_dump(doc, f, sort_keys=False)
+    return tokens
+
+
+def read_tokens_file(path: Path) -> dict[Role, str]:
+    """The plain tokens of a file ``write_tokens_file`` made, by role (first of each)."""
+    doc = yaml.safe_load(path.read_text()) or {}
+    out: dict[Role, str] = {}
+    for e in doc.get("tokens", []):
+        if isinstance(e, dict) and e.get("token") and e.get("role") in set(Role):
+            out.setdefault(Role(e["role"]), str(e["token"]))
+    return out
+
+
+def bearer(metadata: Sequence[tuple[str, Any]] | None) -> str:
+    for key, value in metadata or ():
+        if key == "authorization":
+            text = value.decode() if isinstance(value, bytes) else str(value)
+            scheme, _, token = text.partition(" ")
+            return token.strip() if scheme.lower() == "bearer" else ""
+    return ""
+
+
+Behavior = Callable[..., Any]
+
+
+def _denial(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> Any:
+    """A handler of the same shape that refuses the call."""
+
+    if handler.response_streaming:
+
+        async def refuse_stream(
+            _request: Any, context: grpc.aio.ServicerContext
+        ) -> AsyncIterator[Any]:
+            await context.abort(code, message)
+            yield None  # pragma: no cover - abort raises
+
+        behavior: Behavior = refuse_stream
+    else:
+
+        async def refuse(_request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await context.abort(code, message)
+
+        behavior = refuse
+    return _rebuild(handler, behavior)
+
+
+def _rebuild(handler: grpc.RpcMethodHandler, behavior: Behavior) -> Any:
+    kind = (handler.request_streaming, handler.response_streaming)
+    make = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }[kind]
+    return make(
+        behavior,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
+def _subject(request: Any) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for name in _SUBJECT_FIELDS:
+        value = getattr(request, name, "")
+        if value:
+            out[name] = str(value)[:128]
+    return out
+
+
+def _as(handler: grpc.RpcMethodHandler, principal: Principal | None, audit: str | None) -> Any:
+    """The handler, run with ``principal`` as :func:`current` (and audited when named)."""
+    inner: Behavior = (
+        handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
+    )
+    if handler.response_streaming:
+
+        async def streaming(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            _current.set(principal)
+            if audit is not None:
+                _audit(audit, principal, {} if handler.request_streaming else _subject(request),
+                       "opened", context)  # fmt: skip
+            async for item in inner(request, context):
+                yield item
+
+        return _rebuild(handler, streaming)
+
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        token = _current.set(principal)
+        outcome = "OK"
+        try:
+            return await inner(request, context)
+        except BaseException:
+            outcome = "refused"
+            raise
+        finally:
+            _current.reset(token)
+            if audit is not None:
+                code = context.code() if hasattr(context, "code") else None
+                if code is not None and code != grpc.StatusCode.OK:
+                    outcome = getattr(code, "name", str(code))
+                subject = {} if handler.request_streaming else _subject(request)
+                _audit(audit, principal, subject, outcome, context)
+
+    return _rebuild(handler, unary)
+
+
+def _audit(
+    method: str,
+    principal: Principal | None,
+    subject: Mapping[str, str],
+    outcome: str,
+    context: grpc.aio.ServicerContext,
+) -> None:
+    # at warning level, so that a quieter log level (hpd up's default) still keeps them
+    log.warning(
+        "audit",
+        method=method,
+        caller=principal.name if principal else "",
+        role=principal.role.value if principal else "",
+        peer=context.peer(),
+        outcome=outcome,
+        **subject,
+    )
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Checks every call's token and role against :data:`ACCESS` (module docstring)."""
+
+    def __init__(self, book: TokenBook, open_reads: bool = True) -> None:
+        self.book = book
+        self.open_reads = open_reads
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        key = method_key(details.method)
+        if handler is None or key is None:
+            return handler  # unknown method (gRPC answers UNIMPLEMENTED), health, reflection
+        rule = ACCESS.get(key, frozenset())
+        given = bearer(details.invocation_metadata)
+        principal = self.book.lookup(given)
+        if rule == READ and self.open_reads:
+            return _as(handler, principal, None)
+        if principal is None:
+            why = "unknown bearer token" if given else "no `authorization: Bearer` token"
+            return _denial(handler, grpc.StatusCode.UNAUTHENTICATED, f"{key}: {why}")
+        if isinstance(rule, frozenset) and not principal.operator and principal.role not in rule:
+            allowed = sorted({"operator", *(r.value for r in rule)})
+            log.info("auth_denied", method=key, caller=principal.name, role=principal.role.value)
+            return _denial(
+                handler,
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{key} needs role {' or '.join(allowed)}; "
+                f"{principal.name!r} is {principal.role.value}",
+            )
+        audit = None if rule == READ or key in NOT_AUDITED else key
+        return _as(handler, principal, audit)
+
+
+def interceptors_for(tokens_file: str, open_reads: bool) -> list[grpc.aio.ServerInterceptor]:
+    """The server's interceptors: the auth check when a tokens file is set, else none."""
+    if not tokens_file:
+        return []
+    book = TokenBook.load(tokens_file)
+    log.info("auth_on", tokens=len(book), open_reads=open_reads)
+    return [AuthInterceptor(book, open_reads)]

@@ -1,0 +1,1 @@
+"""hetero-pd's OpenAI-compatible front door (``hpd gateway``)."""

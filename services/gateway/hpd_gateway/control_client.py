@@ -1,0 +1,229 @@
+"""The gateway's gRPC side: Schedule and ReportOutcome at the scheduler, the KV session
+at the broker, and the fleet view (endpoints, models) from the registry's feed.
+
+Scheduler answers become :class:`~hpd_gateway.protocol.GatewayError` with the HTTP status a
+client understands: RESOURCE_EXHAUSTED 429 with ``Retry-After``, no worker for the model
+404 naming it, UNAVAILABLE (and other refusals to place) 503, INVALID_ARGUMENT 400,
+DEADLINE_EXCEEDED 504. Session updates are best effort: a broker that is away must not fail
+a request whose tokens are flowing; they are logged.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from hetero_pd.v1 import kvbroker_pb2 as kb
+from hetero_pd.v1 import kvbroker_pb2_grpc as kb_grpc
+from hetero_pd.v1 import scheduler_pb2 as s
+from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
+from hpd_common.channels import CallIdentity, aio_channel
+from hpd_common.informer import CLIENT_OPTIONS, FleetInformer
+from hpd_common.logging import get_logger
+from hpd_registry.domain import Stage
+
+from .plan import RECOMPUTE, SAME_POOL, TRANSFER, Outcome, Plan, Step
+from .protocol import GatewayError
+
+__all__ = ["ControlPlane"]
+
+log = get_logger("gateway.control")
+
+_MODES = {
+    s.EXECUTION_MODE_TRANSFER: TRANSFER,
+    s.EXECUTION_MODE_RECOMPUTE: RECOMPUTE,
+    s.EXECUTION_MODE_SAME_POOL: SAME_POOL,
+}
+_MODE_PB = {v: k for k, v in _MODES.items()}
+
+
+def plan_of(p: s.RoutePlan) -> Plan:
+    steps = [
+        Step(
+            mode=_MODES.get(p.mode, RECOMPUTE),
+            decode_worker=p.decode_worker_id,
+            decode_endpoint=p.decode_endpoint,
+            prefill_worker=p.prefill_worker_id if p.mode == s.EXECUTION_MODE_TRANSFER else "",
+            prefill_endpoint=p.prefill_endpoint if p.mode == s.EXECUTION_MODE_TRANSFER else "",
+            reason="primary",
+        )
+    ]
+    for f in p.fallbacks:
+        mode = _MODES.get(f.mode, RECOMPUTE)
+        steps.append(
+            Step(
+                mode=mode,
+                decode_worker=f.decode_worker_id,
+                prefill_worker=f.prefill_worker_id if mode == TRANSFER else "",
+                reason=f.reason,
+            )
+        )
+    return Plan(
+        request_id=p.request_id,
+        steps=tuple(steps),
+        session_id=p.kv_session_id,
+        kv_bytes=int(p.estimates.kv_bytes),
+        record_id=p.route_record_id,
+    )
+
+
+class ControlPlane:
+    """Channels to the scheduler, broker and registry (one each per gateway process)."""
+
+    def __init__(
+        self,
+        scheduler: str,
+        broker: str,
+        registry: str,
+        gateway_token: str = "",
+        timeout_s: float = 2.0,
+        identity: CallIdentity | None = None,
+    ) -> None:
+        self._sched_ch = aio_channel(scheduler, identity, CLIENT_OPTIONS)
+        self._broker_ch = aio_channel(broker, identity, CLIENT_OPTIONS)
+        self.scheduler = s_grpc.SchedulerServiceStub(self._sched_ch)
+        self.broker = kb_grpc.KvBrokerServiceStub(self._broker_ch)
+        self.fleet = FleetInformer(registry, identity=identity)
+        # a non-empty token is what selects the broker's gateway role; a broker without a
+        # configured gateway token (development) accepts any, so a placeholder serves there
+        self._caller = kb.SessionCaller(gateway_token=gateway_token or "gateway")
+        self.timeout_s = timeout_s
+
+    async def start(self) -> None:
+        await self.fleet.start()
+
+    async def close(self) -> None:
+        await self.fleet.stop()
+        await self._sched_ch.close()
+        await self._broker_ch.close()
+
+    # -- fleet view -------------------------------------------------------------------------
+
+    def models(self) -> list[str]:
+        return sorted({rec.spec.model_id for rec in self.fleet.workers.values()})
+
+    def endpoint(self, worker_id: str) -> str:
+        rec = self.fleet.workers.get(worker_id)
+        return rec.spec.endpoint if rec is not None else ""
+
+    def tokenizer_endpoints(self, model: str) -> list[str]:
+        """Endpoints that can count a prompt's tokens: decode-capable workers first."""
+        recs = [r for r in self.fleet.workers.values() if r.spec.model_id == model]
+        recs.sort(key=lambda r: (Stage.DECODE not in r.spec.stages, r.spec.worker_id))
+        return [r.spec.endpoint for r in recs]
+
+    def block_tokens(self, model: str) -> int:
+        """The KV block size the model's prefill-capable engines cache prompts in (the most
+        common one; 0 when none is known): the gateway keys a prompt's blocks at it."""
+        sizes: dict[int, int] = {}
+        for rec in self.fleet.workers.values():
+            if rec.spec.model_id != model or Stage.PREFILL not in rec.spec.stages:
+                continue
+            b = rec.spec.kv_format.block_size_tokens
+            if b > 0:
+                sizes[b] = sizes.get(b, 0) + 1
+        return max(sizes, key=lambda b: (sizes[b], -b)) if sizes else 0
+
+    # -- scheduler --------------------------------------------------------------------------
+
+    async def schedule(
+        self, request_id: str, model: str, prompt_tokens: int, output_tokens: int, tier: str,
+        prefix: tuple[int, ...] = (), block_tokens: int = 0,
+    ) -> Plan:  # fmt: skip
+        req = s.ScheduleRequest(
+            request_id=request_id,
+            model_id=model,
+            prompt_tokens=prompt_tokens,
+            expected_output_tokens=output_tokens,
+            tier=tier,
+            prefix_block_hashes=list(prefix),
+            prefix_block_tokens=block_tokens if prefix else 0,
+        )
+        try:
+            resp = await self.scheduler.Schedule(req, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise _http_error(exc, model) from exc
+        return plan_of(resp.plan)
+
+    async def report(self, request_id: str, out: Outcome) -> None:
+        req = s.ReportOutcomeRequest(
+            request_id=request_id,
+            success=out.success,
+            error_class=out.error_class[:128],
+            ttft_ms=out.ttft_ms,
+            tpot_ms=out.tpot_ms,
+            mode_used=_MODE_PB.get(out.mode, s.EXECUTION_MODE_UNSPECIFIED),
+            prefill_ms=out.prefill_ms,
+            output_tokens=out.output_tokens,
+        )
+        try:
+            await self.scheduler.ReportOutcome(req, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("outcome_not_reported", request_id=request_id, code=exc.code().name)
+
+    # -- KV session -------------------------------------------------------------------------
+
+    async def session_done(self, session_id: str, kv_bytes: int) -> None:
+        """The decode worker produced a token from the transferred KV: all bytes moved."""
+        try:
+            await self.broker.ReportProgress(
+                kb.ReportProgressRequest(
+                    session_id=session_id,
+                    caller=self._caller,
+                    bytes_done=max(1, kv_bytes),
+                    state=kb.SESSION_STATE_TRANSFERRING,
+                ),
+                timeout=self.timeout_s,
+            )
+            await self.broker.CompleteSession(
+                kb.CompleteSessionRequest(session_id=session_id, caller=self._caller),
+                timeout=self.timeout_s,
+            )
+        except grpc.aio.AioRpcError as exc:
+            log.warning("session_not_completed", session_id=session_id, code=exc.code().name)
+
+    async def session_failed(self, session_id: str, reason: str, started: bool) -> None:
+        """The transfer failed (``started``: the prefill ran) or never began (aborted)."""
+        try:
+            if started:
+                await self.broker.ReportProgress(
+                    kb.ReportProgressRequest(
+                        session_id=session_id,
+                        caller=self._caller,
+                        state=kb.SESSION_STATE_FAILED,
+                        reason=reason[:256] or "failed",
+                    ),
+                    timeout=self.timeout_s,
+                )
+            else:
+                await self.broker.AbortSession(
+                    kb.AbortSessionRequest(
+                        session_id=session_id, caller=self._caller, reason=reason[:256]
+                    ),
+                    timeout=self.timeout_s,
+                )
+        except grpc.aio.AioRpcError as exc:
+            log.info("session_not_ended", session_id=session_id, code=exc.code().name)
+
+
+def _http_error(exc: grpc.aio.AioRpcError, model: str) -> GatewayError:
+    code, details = exc.code(), exc.details() or ""
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return GatewayError(
+            429, details or "the fleet is saturated", type_="rate_limit_error",
+            code="rate_limited", retry_after_s=1,
+        )  # fmt: skip
+    if code is grpc.StatusCode.FAILED_PRECONDITION and "no_worker_for_model" in details:
+        return GatewayError(
+            404, f"the model {model!r} has no worker in the fleet", code="model_not_found",
+            param="model",
+        )  # fmt: skip
+    if code is grpc.StatusCode.INVALID_ARGUMENT:
+        return GatewayError(400, details, code="invalid_value")
+    if code is grpc.StatusCode.ALREADY_EXISTS:  # a request id reused for another request
+        return GatewayError(409, details, code="request_id_conflict", param="x-request-id")
+    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+        return GatewayError(504, "the scheduler did not answer in time", type_="server_error")
+    return GatewayError(
+        503, details or "the control plane is unavailable", type_="server_error",
+        code="unavailable", retry_after_s=1,
+    )  # fmt: skip

@@ -1,0 +1,52 @@
+"""Service processes started by tests: wait until they serve, stop them whatever they do."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from hpd_common.channels import CallIdentity, sync_channel
+
+
+def wait_serving(
+    addrs: Sequence[str],
+    proc: subprocess.Popen[Any],
+    timeout_s: float,
+    what: str = "hpd up",
+    identity: CallIdentity | None = None,
+) -> None:
+    """Until every address answers its gRPC health check SERVING; an error if ``proc``
+    exits first or the time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}")
+        ok = True
+        for addr in addrs:
+            with sync_channel(addr, identity) as ch:
+                try:
+                    resp = health_pb2_grpc.HealthStub(ch).Check(
+                        health_pb2.HealthCheckRequest(service=""), timeout=2
+                    )
+                    ok &= resp.status == health_pb2.HealthCheckResponse.SERVING
+                except grpc.RpcError:
+                    ok = False
+        if ok:
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"{what} did not serve in {timeout_s:.0f} s")
+
+
+def stop(proc: subprocess.Popen[Any], timeout_s: float = 20.0) -> None:
+    """SIGTERM, then SIGKILL when it has not exited within ``timeout_s``."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
