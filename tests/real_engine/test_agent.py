@@ -173,7 +173,7 @@ def test_a_drain_directive_stops_new_plans_and_deregisters_once_idle(
 ) -> None:
     wid, agent = extra_agent
     engine = real.engines["prefill"]
-    threads = _flood(engine.url, 2, max_tokens=200)
+    threads = _flood(engine.url, 2, max_tokens=600)  # busy well past the drain mark
     t0 = time.monotonic()
     while gauge(engine.metrics(), "vllm:num_requests_running") < 1:
         assert time.monotonic() - t0 < 30, "the engine never ran the requests"
