@@ -20,7 +20,9 @@ and each arm's two passes averaged (drift on a shared machine cancels).
 Figures (``--json``): ``ttft_p50_vs_vllm_router``, ``ttft_p99_vs_vllm_router`` (gateway /
 router), ``throughput_vs_vllm_router_c8`` (gateway / router), and the gateway's added
 latency per request, ``gateway_added_ms_p50`` / ``_p99``: its TTFT minus the direct arm's
-in the same round (its own time outside the engines, plus the noise of one round).
+in the same round (its own time outside the engines, plus the noise of one round);
+``gateway_phase_ms_mean_c1``: where the gateway's own time went in the latency phase (mean
+milliseconds of its tokenize and schedule steps, from its ``hpd_gateway_phase_seconds``).
 
     .venv/bin/python bench/gateway.py --quick --json
 """
@@ -35,10 +37,12 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from hpd_fleet.real import RealStack
 
@@ -185,6 +189,35 @@ async def throughput_phase(stack: RealStack, n: int, rng: random.Random) -> dict
     return {arm: statistics.fmean(v) for arm, v in rates.items()}
 
 
+def phase_totals(gateway_url: str) -> dict[str, tuple[float, float]]:
+    """The gateway's own phases so far, from its /metrics: phase -> (seconds, count)."""
+    with urllib.request.urlopen(gateway_url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    got: dict[str, list[float]] = {}
+    for fam in text_string_to_metric_families(text):
+        if fam.name != "hpd_gateway_phase_seconds":
+            continue
+        for sample in fam.samples:
+            phase = sample.labels.get("phase", "")
+            if sample.name.endswith("_sum"):
+                got.setdefault(phase, [0.0, 0.0])[0] = sample.value
+            elif sample.name.endswith("_count"):
+                got.setdefault(phase, [0.0, 0.0])[1] = sample.value
+    return {k: (v[0], v[1]) for k, v in got.items()}
+
+
+def phase_means_ms(
+    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
+) -> dict[str, float]:
+    """Mean milliseconds per request of each gateway phase between two scrapes."""
+    out = {}
+    for phase, (total, count) in after.items():
+        t0, c0 = before.get(phase, (0.0, 0.0))
+        if count > c0:
+            out[phase] = (total - t0) / (count - c0) * 1000
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     ap.add_argument("--quick", action="store_true", help="fewer requests (a few minutes)")
@@ -198,7 +231,9 @@ def main(argv: list[str] | None = None) -> int:
         print("setting up engines, control plane, gateway and router ...", file=sys.stderr)
         with RealStack(Path(tmp), with_router=True) as stack:
             setup_s = time.perf_counter() - t_setup
+            before = phase_totals(stack.gateway_url)
             ttft = asyncio.run(latency_phase(stack, rounds, rng))
+            phases = phase_means_ms(before, phase_totals(stack.gateway_url))
             rates = asyncio.run(throughput_phase(stack, per_pass, rng))
     added = [(g - d) * 1000 for g, d in zip(ttft["gateway"], ttft["direct"], strict=True)]
     figures = {
@@ -211,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             arm: {"p50": pct(v, 0.5) * 1000, "p99": pct(v, 0.99) * 1000} for arm, v in ttft.items()
         },
         "throughput_c8_req_per_s": rates,
+        "gateway_phase_ms_mean_c1": phases,
         "rounds": rounds,
         "requests_per_pass_c8": per_pass,
         "setup_s": setup_s,

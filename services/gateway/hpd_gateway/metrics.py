@@ -34,4 +34,9 @@ class GatewayMetrics:
             "hpd_gateway_upstream_errors", "Failed engine calls by engine endpoint and cause",
             ["engine", "cause"], registry=r,
         )  # fmt: skip
+        self.phase = Histogram(
+            "hpd_gateway_phase_seconds",
+            "The gateway's own steps before the first engine call: tokenize, schedule",
+            ["phase"], buckets=_TPOT_BUCKETS + (2.5, 5), registry=r,
+        )  # fmt: skip
         self.in_flight = Gauge("hpd_gateway_in_flight", "Requests being served", registry=r)

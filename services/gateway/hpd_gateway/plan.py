@@ -46,6 +46,8 @@ class Outcome:
     ttft_ms: float = 0.0
     tpot_ms: float = 0.0
     prefill_ms: float = 0.0
+    tokenize_ms: float = 0.0  # counting the prompt's tokens (local tokenizer or /tokenize)
+    schedule_ms: float = 0.0  # the Schedule call(s), a re-plan's included
     output_tokens: int = 0
     fallbacks: int = 0
     status: int = 200

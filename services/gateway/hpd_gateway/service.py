@@ -199,9 +199,14 @@ class Gateway:
             output_tokens = req.max_tokens or self.config.default_output_tokens
             tier = tier or self.config.default_tier
             prefix, block = self._prefix(req.model, ids)
+            t_s = self._clock()
+            out.tokenize_ms = (t_s - t0) * 1000
+            self.metrics.phase.labels("tokenize").observe(t_s - t0)
             plan = await self.control.schedule(
                 request_id, req.model, prompt_tokens, output_tokens, tier, prefix, block
             )
+            out.schedule_ms = (self._clock() - t_s) * 1000
+            self.metrics.phase.labels("schedule").observe(out.schedule_ms / 1000)
             try:
                 await self._run(req, plan, sink, t0, out)
             except _Exhausted:
@@ -212,9 +217,11 @@ class Gateway:
                 first = Outcome(error_class=out.error_class, fallbacks=out.fallbacks, status=502)
                 self._background(self.control.report(request_id, first))
                 request_id = f"{request_id}:replan"
+                t_s = self._clock()
                 plan = await self.control.schedule(
                     request_id, req.model, prompt_tokens, output_tokens, tier, prefix, block
                 )
+                out.schedule_ms += (self._clock() - t_s) * 1000
                 cause, out.error_class = out.error_class, ""
                 await self._run(req, plan, sink, t0, out)
                 out.error_class = out.error_class or cause
@@ -243,6 +250,9 @@ class Gateway:
                 status=out.status,
                 mode=out.mode,
                 ttft_ms=round(out.ttft_ms, 1),
+                tokenize_ms=round(out.tokenize_ms, 2),
+                schedule_ms=round(out.schedule_ms, 2),
+                prefill_ms=round(out.prefill_ms, 1),
                 fallbacks=out.fallbacks,
                 error_class=out.error_class,
             )
