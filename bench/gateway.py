@@ -21,8 +21,9 @@ Figures (``--json``): ``ttft_p50_vs_vllm_router``, ``ttft_p99_vs_vllm_router`` (
 router), ``throughput_vs_vllm_router_c8`` (gateway / router), and the gateway's added
 latency per request, ``gateway_added_ms_p50`` / ``_p99``: its TTFT minus the direct arm's
 in the same round (its own time outside the engines, plus the noise of one round);
-``gateway_phase_ms_mean_c1``: where the gateway's own time went in the latency phase (mean
-milliseconds of its tokenize and schedule steps, from its ``hpd_gateway_phase_seconds``).
+``gateway_steps_ms_c1``: where the gateway's own time went in the latency phase (p50 and
+p99 milliseconds of its tokenize, schedule and prefill steps, from its ``Server-Timing``
+header).
 
     .venv/bin/python bench/gateway.py --quick --json
 """
@@ -37,12 +38,10 @@ import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
 from hpd_fleet.real import RealStack
 
@@ -92,6 +91,20 @@ def pct(values: list[float], q: float) -> float:
     return s[k]
 
 
+def server_timing(header: str) -> dict[str, float]:
+    """``a;dur=1.5, b;dur=2`` -> {"a": 1.5, "b": 2.0} (W3C Server-Timing, ms)."""
+    out: dict[str, float] = {}
+    for part in header.split(","):
+        name, _, rest = part.strip().partition(";")
+        if rest.startswith("dur="):
+            out[name] = float(rest[4:])
+    return out
+
+
+# the gateway's own steps of every latency-phase request (from its Server-Timing header)
+GATEWAY_STEPS: list[dict[str, float]] = []
+
+
 async def _stream(
     http: aiohttp.ClientSession, url: str, body: dict[str, Any], t0: float
 ) -> tuple[float, int]:
@@ -101,6 +114,8 @@ async def _stream(
     async with http.post(url, json=body) as resp:
         if resp.status != 200:
             raise RuntimeError(f"{url}: HTTP {resp.status}: {(await resp.text())[:200]}")
+        if "Server-Timing" in resp.headers:
+            GATEWAY_STEPS.append(server_timing(resp.headers["Server-Timing"]))
         async for raw in resp.content:
             line = raw.strip()
             if not line.startswith(b"data:"):
@@ -189,35 +204,6 @@ async def throughput_phase(stack: RealStack, n: int, rng: random.Random) -> dict
     return {arm: statistics.fmean(v) for arm, v in rates.items()}
 
 
-def phase_totals(gateway_url: str) -> dict[str, tuple[float, float]]:
-    """The gateway's own phases so far, from its /metrics: phase -> (seconds, count)."""
-    with urllib.request.urlopen(gateway_url + "/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    got: dict[str, list[float]] = {}
-    for fam in text_string_to_metric_families(text):
-        if fam.name != "hpd_gateway_phase_seconds":
-            continue
-        for sample in fam.samples:
-            phase = sample.labels.get("phase", "")
-            if sample.name.endswith("_sum"):
-                got.setdefault(phase, [0.0, 0.0])[0] = sample.value
-            elif sample.name.endswith("_count"):
-                got.setdefault(phase, [0.0, 0.0])[1] = sample.value
-    return {k: (v[0], v[1]) for k, v in got.items()}
-
-
-def phase_means_ms(
-    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
-) -> dict[str, float]:
-    """Mean milliseconds per request of each gateway phase between two scrapes."""
-    out = {}
-    for phase, (total, count) in after.items():
-        t0, c0 = before.get(phase, (0.0, 0.0))
-        if count > c0:
-            out[phase] = (total - t0) / (count - c0) * 1000
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     ap.add_argument("--quick", action="store_true", help="fewer requests (a few minutes)")
@@ -231,9 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         print("setting up engines, control plane, gateway and router ...", file=sys.stderr)
         with RealStack(Path(tmp), with_router=True) as stack:
             setup_s = time.perf_counter() - t_setup
-            before = phase_totals(stack.gateway_url)
             ttft = asyncio.run(latency_phase(stack, rounds, rng))
-            phases = phase_means_ms(before, phase_totals(stack.gateway_url))
+            steps = list(GATEWAY_STEPS)
             rates = asyncio.run(throughput_phase(stack, per_pass, rng))
     added = [(g - d) * 1000 for g, d in zip(ttft["gateway"], ttft["direct"], strict=True)]
     figures = {
@@ -246,7 +231,14 @@ def main(argv: list[str] | None = None) -> int:
             arm: {"p50": pct(v, 0.5) * 1000, "p99": pct(v, 0.99) * 1000} for arm, v in ttft.items()
         },
         "throughput_c8_req_per_s": rates,
-        "gateway_phase_ms_mean_c1": phases,
+        "gateway_steps_ms_c1": {
+            name: {
+                "p50": pct([st[name] for st in steps if name in st], 0.5),
+                "p99": pct([st[name] for st in steps if name in st], 0.99),
+            }
+            for name in ("tokenize", "schedule", "prefill")
+            if any(name in st for st in steps)
+        },
         "rounds": rounds,
         "requests_per_pass_c8": per_pass,
         "setup_s": setup_s,

@@ -890,3 +890,32 @@ async def test_the_prompts_block_chain_goes_with_the_schedule(rig: Rig) -> None:
     rig.control.block = 0
     status, _, _ = await rig.post("/v1/completions", request_body("/v1/completions"))
     assert status == 200 and rig.control.prefixes[-1] == ((), 0)
+
+
+@pytest.mark.parametrize(
+    ("mode", "streamed"), [(TRANSFER, False), (TRANSFER, True), (RECOMPUTE, True)]
+)
+async def test_the_answer_says_where_the_gateways_own_time_went(
+    rig: Rig, mode: str, streamed: bool
+) -> None:
+    """A W3C Server-Timing header carries the gateway's tokenize and schedule steps (and a
+    transfer's prefill call) in milliseconds; the metrics count the same steps."""
+    primary = rig.primary(TRANSFER, "d1", "p1") if mode == TRANSFER else rig.primary(mode, "d1")
+    rig.use(primary)
+    body = request_body(COMPLETIONS, stream=streamed)
+    async with rig.http.post(rig.url + COMPLETIONS, json=body) as resp:
+        assert resp.status == 200
+        header = resp.headers["Server-Timing"]
+        await resp.read()
+    steps = {}
+    for part in header.split(", "):
+        name, dur = part.split(";dur=")
+        steps[name] = float(dur)
+    expected = {"tokenize", "schedule"} | ({"prefill"} if mode == TRANSFER else set())
+    assert set(steps) == expected, header
+    assert all(v >= 0 for v in steps.values())
+    assert steps.get("prefill", 1.0) > 0
+    async with rig.http.get(rig.url + "/metrics") as resp:
+        text = await resp.text()
+    assert 'hpd_gateway_phase_seconds_count{phase="schedule"} 1.0' in text
+    assert 'hpd_gateway_phase_seconds_count{phase="tokenize"} 1.0' in text

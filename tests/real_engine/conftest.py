@@ -207,6 +207,7 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealFleet]:
             "--lease-ttl-ms", str(LEASE_TTL_MS), "--log-level", "info", "--json-logs",
         ],
         stdout=up_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        start_new_session=True,  # a session of its own: see hpd_fleet.real.OWN_SESSION
     )  # fmt: skip
     addr = {k: f"127.0.0.1:{p}" for k, p in ports.items()}
     fleet = RealFleet(

@@ -4,7 +4,9 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed or not
 ``GET /v1/models`` (the fleet's models), ``GET /health`` (200 while the fleet view is
 fresh), ``GET /metrics`` (Prometheus). Headers read: ``x-request-id`` (else one is made;
 it is echoed back), ``x-hpd-tier`` (else the API key's tier, else the default), and
-``Authorization: Bearer <key>`` for the key's tier.
+``Authorization: Bearer <key>`` for the key's tier. Answers carry ``x-request-id`` and a
+``Server-Timing`` header with the gateway's own steps (``tokenize``, ``schedule``, and for a
+transfer the ``prefill`` call) in milliseconds.
 
 Limits: bodies over ``max_body_bytes`` are 413; past ``max_concurrent`` requests in flight
 a request is 429 with ``Retry-After``. A client that hangs up cancels its handler, which
@@ -36,6 +38,15 @@ class _HttpSink:
         self.request = request
         self.request_id = request_id
         self.response: web.StreamResponse | None = None
+        self.server_timing: dict[str, float] = {}
+
+    def _headers(self) -> dict[str, str]:
+        headers = {"x-request-id": self.request_id}
+        if self.server_timing:  # W3C Server-Timing: the gateway's own steps, in ms
+            headers["Server-Timing"] = ", ".join(
+                f"{name};dur={ms:.2f}" for name, ms in self.server_timing.items()
+            )
+        return headers
 
     async def start_stream(self) -> None:
         resp = web.StreamResponse(
@@ -43,7 +54,7 @@ class _HttpSink:
             headers={
                 "Content-Type": "text/event-stream",
                 "Cache-Control": "no-cache",
-                "x-request-id": self.request_id,
+                **self._headers(),
             },
         )
         await resp.prepare(self.request)
@@ -54,7 +65,7 @@ class _HttpSink:
         await self.response.write(data)
 
     async def send_json(self, status: int, body: Any, retry_after_s: int = 0) -> None:
-        headers = {"x-request-id": self.request_id}
+        headers = self._headers()
         if retry_after_s:
             headers["Retry-After"] = str(retry_after_s)
         self.response = web.json_response(body, status=status, headers=headers)

@@ -68,7 +68,10 @@ overloaded, and the next one is asked."""
 
 
 class Sink(Protocol):
-    """Where the answer goes (the HTTP response)."""
+    """Where the answer goes (the HTTP response). ``server_timing``: the gateway's own
+    steps so far (milliseconds by name), which the answer's headers carry."""
+
+    server_timing: dict[str, float]
 
     async def start_stream(self) -> None:
         """Commit to 200 and server-sent events (called once, before the first event)."""
@@ -201,11 +204,13 @@ class Gateway:
             prefix, block = self._prefix(req.model, ids)
             t_s = self._clock()
             out.tokenize_ms = (t_s - t0) * 1000
+            sink.server_timing["tokenize"] = out.tokenize_ms
             self.metrics.phase.labels("tokenize").observe(t_s - t0)
             plan = await self.control.schedule(
                 request_id, req.model, prompt_tokens, output_tokens, tier, prefix, block
             )
             out.schedule_ms = (self._clock() - t_s) * 1000
+            sink.server_timing["schedule"] = out.schedule_ms
             self.metrics.phase.labels("schedule").observe(out.schedule_ms / 1000)
             try:
                 await self._run(req, plan, sink, t0, out)
@@ -222,6 +227,7 @@ class Gateway:
                     request_id, req.model, prompt_tokens, output_tokens, tier, prefix, block
                 )
                 out.schedule_ms += (self._clock() - t_s) * 1000
+                sink.server_timing["schedule"] = out.schedule_ms
                 cause, out.error_class = out.error_class, ""
                 await self._run(req, plan, sink, t0, out)
                 out.error_class = out.error_class or cause
@@ -337,6 +343,7 @@ class Gateway:
                 except UpstreamError as exc:
                     raise _StepFailed("prefill_" + exc.cause, False, exc) from exc
                 out.prefill_ms = (self._clock() - t_p) * 1000
+                sink.server_timing["prefill"] = out.prefill_ms
                 kv = reply.get("kv_transfer_params") if isinstance(reply, dict) else None
                 if not isinstance(kv, dict):
                     raise _StepFailed(
