@@ -30,7 +30,7 @@ export HPD_REAL_ENGINES=1 HPD_REAL_LOG_DIR="$LOGS"
 step "real_engine tests (logs in $LOGS)"
 status=0
 # the session fixture starts the engines inside the first test's time limit: allow for it
-.venv/bin/pytest -v -p no:cacheprovider --timeout 900 tests/real_engine "$@" || status=$?
+.venv/bin/pytest -v -p no:cacheprovider --timeout 900 --durations=8 tests/real_engine "$@" || status=$?
 if [ "$status" != 0 ]; then
   for f in "$LOGS"/*.log; do
     [ -f "$f" ] || continue

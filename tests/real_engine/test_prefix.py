@@ -40,6 +40,7 @@ def test_a_shared_prefix_is_planned_as_cached_and_hits_the_engines_cache(
 ) -> None:
     real = pd_pair
     rng = random.Random(time.monotonic_ns())
+    _until_events_flow(real, rng)
     first = [rng.randrange(100, 900) for _ in range(600)]  # token ids: no tokenizer guesswork
     second = first[:512] + [rng.randrange(100, 900) for _ in range(88)]
     tag = time.monotonic_ns()
@@ -75,6 +76,39 @@ def test_a_shared_prefix_is_planned_as_cached_and_hits_the_engines_cache(
     assert b.plan.cached_tokens == 512, why(b)  # 4 x 128-token blocks
     hits = gauge(prefill.metrics(), "vllm:prefix_cache_hits_total") - hits_before
     assert hits >= 512, f"the prefill engine's prefix cache hits grew by {hits}"
+
+
+def _cached(real: RealFleet, rid: str, prompt: list[int]) -> int:
+    """The cached tokens a plan for ``prompt`` would count on (the probe is then released)."""
+    plan = real.scheduler.Schedule(
+        s.ScheduleRequest(
+            request_id=rid, model_id="tiny", prompt_tokens=len(prompt), expected_output_tokens=2,
+            prefix_block_hashes=list(a_chain(prompt)), prefix_block_tokens=128,
+        ),
+        timeout=5,
+    ).plan  # fmt: skip
+    real.scheduler.ReportOutcome(
+        s.ReportOutcomeRequest(request_id=rid, success=False, error_class="probe"), timeout=5
+    )
+    return int(plan.cached_tokens)
+
+
+def _until_events_flow(real: RealFleet, rng: random.Random) -> None:
+    """A ZMQ subscriber misses what was published before its subscription reached the
+    publisher (the agent subscribes when it registers; an engine restarted by an earlier
+    test may serve a request first): warm-up prompts until one is seen in the index."""
+    deadline = time.monotonic() + 60
+    n = 0
+    while time.monotonic() < deadline:
+        n += 1
+        warm = [rng.randrange(100, 900) for _ in range(256)]
+        _complete(real, f"pfx-warm-{time.monotonic_ns()}", warm)
+        until = time.monotonic() + 5
+        while time.monotonic() < until:
+            if _cached(real, f"pfx-warm-probe-{time.monotonic_ns()}", warm):
+                return
+            time.sleep(0.2)
+    raise AssertionError(f"no KV event reached the index after {n} warm-up prompts")
 
 
 def a_chain(tokens: list[int]) -> tuple[int, ...]:

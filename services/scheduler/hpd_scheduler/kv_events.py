@@ -31,14 +31,18 @@ log = get_logger("kv_events")
 
 
 class KvEventFollower:
-    """Applies the feed's entries to ``index`` in order (``run`` until cancelled)."""
+    """Applies the feed's entries to ``index`` in order (``run`` until cancelled).
+
+    ``block_ms``: how long one XREAD waits for new entries. It must stay well under the
+    Redis client's socket timeout (1 s, ``redis_conn.connect``): at 1,000 ms every idle read
+    raced the timeout, failed, and the follower backed off up to 5 s between reads."""
 
     def __init__(
         self,
         client: aioredis.Redis,
         keys: RegistryKeys,
         index: PrefixIndex,
-        block_ms: int = 1000,
+        block_ms: int = 250,
         batch: int = 512,
     ) -> None:
         self.client = client
