@@ -37,11 +37,12 @@ Unset, auth is off (development): every caller may do everything, and the servic
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import hashlib
 import os
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -151,6 +152,17 @@ _current: contextvars.ContextVar[Principal | None] = contextvars.ContextVar(
 def current() -> Principal | None:
     """The caller of the RPC being served; None when auth is off (or on an open read)."""
     return _current.get()
+
+
+@contextlib.contextmanager
+def acting_as(principal: Principal | None) -> Iterator[None]:
+    """Serve an in-process call as ``principal``: one service calling another in its own
+    process (``hpd up``) without the loopback RPC, whose server would have set the caller."""
+    token = _current.set(principal)
+    try:
+        yield
+    finally:
+        _current.reset(token)
 
 
 def may_act_for_others() -> bool:

@@ -25,7 +25,7 @@ from hpd_common.logging import get_logger
 
 log = get_logger("scheduler.broker")
 
-__all__ = ["GrpcKvBroker", "KvSessionOpener", "NoKvBroker", "SessionRefused"]
+__all__ = ["GrpcKvBroker", "KvSessionOpener", "NoKvBroker", "SessionRefused", "refusal_reason"]
 
 
 class SessionRefused(Exception):
@@ -80,6 +80,15 @@ _UNREACHABLE = {
 }
 
 
+def refusal_reason(code: grpc.StatusCode) -> str:
+    """The plan's ``mode_reason`` when the broker answers ``code`` instead of a session."""
+    if code in _UNREACHABLE:
+        return "broker_unreachable"
+    if code is grpc.StatusCode.FAILED_PRECONDITION:
+        return "broker_incompatible"
+    return f"broker_{code.name.lower()}"
+
+
 class GrpcKvBroker:
     """The KV broker over gRPC, presenting the scheduler token it was configured with."""
 
@@ -123,12 +132,7 @@ class GrpcKvBroker:
             resp = await self._stub.OpenSession(req, timeout=self._timeout_s)
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
-            if code in _UNREACHABLE:
-                reason = "broker_unreachable"
-            elif code is grpc.StatusCode.FAILED_PRECONDITION:
-                reason = "broker_incompatible"
-            else:
-                reason = f"broker_{code.name.lower()}"
+            reason = refusal_reason(code)
             log.warning("kv_session_refused", target=self.target, code=code.name, reason=reason)
             raise SessionRefused(reason) from exc
         return str(resp.session.session_id)
