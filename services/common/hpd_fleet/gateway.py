@@ -269,6 +269,8 @@ class Gateway:
         except Exception as exc:  # a bug must not lose the request: record it
             log.exception("request_crashed", request_id=rid)
             rec = _replace(base, status="failed", reason=f"gateway_error:{type(exc).__name__}")
+            with contextlib.suppress(Exception):  # and its plan's reservation goes back
+                rec = await self._report(rec)
         self.stats.inflight -= 1
         if rec.status == "completed":
             self.stats.completed += 1
@@ -517,6 +519,11 @@ class Gateway:
                 await dst.client.report_reserved(sid)
             except SessionEnded as exc:
                 raise StepFailed(_session_cause(exc.state), exc.reason) from None
+            except grpc.aio.AioRpcError as exc:
+                # the broker would not take the decode side's word: typically its lease ran
+                # out in a state-store outage and it registered again, so the session belongs
+                # to an incarnation that is gone. A step that failed, not a lost request.
+                raise StepFailed(f"kv_session_refused_{exc.code().name.lower()}") from None
             reserved.set()
             try:
                 final = await dst.client.await_session(sid, self.config.session_wait_s)
