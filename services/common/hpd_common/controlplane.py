@@ -84,7 +84,8 @@ class InProcessKvBroker:
     Why: a gRPC call between two servers of one asyncio process goes out through gRPC's
     core and back into the same event loop. Measured in ``bench/gateway.py`` (real engines,
     timestamps inside ``Schedule``): opening the session took about 8 ms at p50 that way
-    while the broker spent about 2.5 ms on average serving it; it was most of the gateway's own time.
+    while the broker spent about 2.5 ms on average serving it; it was most of the gateway's
+    own time.
     Services in processes of their own (compose, ``hpd scheduler --broker-target``) still
     use gRPC.
     """
