@@ -13,11 +13,8 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
-import grpc
-
 from hpd_common import auth, redis_conn
 from hpd_common.logging import get_logger
-from hpd_common.rpc import status_for
 from hpd_common.server import GrpcServer
 
 __all__ = ["ControlPlane", "ControlPlaneSettings", "InProcessKvBroker"]
@@ -106,7 +103,7 @@ class InProcessKvBroker:
         self, request_id: str, source_worker_id: str, destination_worker_id: str, kv_bytes: int
     ) -> str:
         from hpd_kvbroker.service import OpenRequest
-        from hpd_scheduler.broker_client import SessionRefused, refusal_reason
+        from hpd_scheduler.broker_client import SessionRefused, refusal_for
 
         req = OpenRequest(
             request_id=request_id,
@@ -119,11 +116,10 @@ class InProcessKvBroker:
                 async with asyncio.timeout(self._timeout_s):
                     session, _created = await self._svc.open(req, self._caller())
         except Exception as exc:
-            code, _message, _ = status_for(exc)
-            if code is grpc.StatusCode.INTERNAL:
+            reason = refusal_for(exc)
+            if reason is None:
                 raise  # a bug, not a refusal: the Schedule RPC reports it as one
-            reason = refusal_reason(code)
-            log.warning("kv_session_refused", target="in-process", code=code.name, reason=reason)
+            log.warning("kv_session_refused", target="in-process", reason=reason)
             raise SessionRefused(reason) from exc
         return str(session.session_id)
 

@@ -22,10 +22,18 @@ from hetero_pd.v1 import kvbroker_pb2 as kb
 from hetero_pd.v1 import kvbroker_pb2_grpc as kb_grpc
 from hpd_common.channels import CallIdentity, aio_channel
 from hpd_common.logging import get_logger
+from hpd_common.rpc import status_for
 
 log = get_logger("scheduler.broker")
 
-__all__ = ["GrpcKvBroker", "KvSessionOpener", "NoKvBroker", "SessionRefused", "refusal_reason"]
+__all__ = [
+    "GrpcKvBroker",
+    "KvSessionOpener",
+    "NoKvBroker",
+    "SessionRefused",
+    "refusal_for",
+    "refusal_reason",
+]
 
 
 class SessionRefused(Exception):
@@ -87,6 +95,15 @@ def refusal_reason(code: grpc.StatusCode) -> str:
     if code is grpc.StatusCode.FAILED_PRECONDITION:
         return "broker_incompatible"
     return f"broker_{code.name.lower()}"
+
+
+def refusal_for(exc: BaseException) -> str | None:
+    """The refusal reason for what a broker called in process raised, as the gRPC path
+    would have reported it; None when it is a bug (INTERNAL), not a refusal."""
+    code, _message, _trailers = status_for(exc)
+    if code is grpc.StatusCode.INTERNAL:
+        return None
+    return refusal_reason(code)
 
 
 class GrpcKvBroker:
