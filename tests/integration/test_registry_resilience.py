@@ -13,7 +13,9 @@ from pathlib import Path
 
 import grpc
 import pytest
+import redis.asyncio as aioredis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from redis.exceptions import RedisError
 
 from hetero_pd.v1 import registry_pb2 as r
 from hetero_pd.v1 import registry_pb2_grpc as r_grpc
@@ -237,6 +239,54 @@ async def test_a_redis_outage_longer_than_the_lease_loses_no_worker(
             watch.cancel()
             beating.cancel()  # (only now: without heartbeats the lease would run out)
             assert not [d for d in deleted if d.startswith(wid + " ")], deleted
+    finally:
+        await stop_server(server)
+        redis.stop()
+
+
+async def test_a_worker_backing_off_after_a_long_outage_keeps_its_registration(
+    tmp_path: Path, key_prefix: str
+) -> None:
+    """Redis stopped for four leases; the worker (as a client backing off exponentially
+    would) heartbeats again only two leases after Redis is back. The grace after an outage
+    lasts as long as the outage when that is longer than a lease, so the heartbeat renews
+    the same registration (a grace of one lease expired it, and the worker registered
+    again under a new credential, orphaning its KV sessions)."""
+    from tests.conftest import start_registry, stop_server
+
+    lease_ms = 1_000
+    redis = EmbeddedRedis(tmp_path / "r", persist=True).start()
+    server = await start_registry(redis.url, key_prefix, lease_ttl_ms=lease_ms)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+            stub = r_grpc.RegistryServiceStub(ch)
+            wid = key_prefix + "-backoff"
+            reg = await stub.RegisterWorker(
+                r.RegisterWorkerRequest(capability=capability(wid), lease_ttl_ms=lease_ms),
+                timeout=5,
+            )
+            first = (await stub.GetWorker(r.GetWorkerRequest(worker_id=wid), timeout=5)).worker
+            beat = r.HeartbeatRequest(worker_id=wid, credential=reg.credential)
+            for _ in range(4):  # alive up to the outage (AOF fsync is every second)
+                await asyncio.sleep(lease_ms / 3000)
+                await stub.Heartbeat(beat, timeout=5)
+            redis.stop()
+            await asyncio.sleep(4 * lease_ms / 1000)
+            redis.start()
+            probe = aioredis.Redis.from_url(redis.url)
+            deadline = time.monotonic() + 15
+            while True:  # Redis answers again
+                try:
+                    await probe.ping()
+                    break
+                except RedisError:
+                    assert time.monotonic() < deadline, "Redis never came back"
+                    await asyncio.sleep(0.1)
+            await probe.aclose()
+            await asyncio.sleep(2 * lease_ms / 1000)  # the client's backoff sleep
+            await stub.Heartbeat(beat, timeout=5)
+            now = (await stub.GetWorker(r.GetWorkerRequest(worker_id=wid), timeout=5)).worker
+            assert now.status.registered_at_unix_ms == first.status.registered_at_unix_ms
     finally:
         await stop_server(server)
         redis.stop()

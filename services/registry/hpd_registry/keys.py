@@ -20,7 +20,9 @@ prefix (default `hpd`), which lets several control planes share one Redis.
 
 After a Redis outage the sweeper writes `grace`: leases that ran out since `from` (the last
 good sweep) stay live for heartbeats and are not swept until `until` (one default lease
-after Redis answered again), since no heartbeat could renew them meanwhile.
+after Redis answered again, or as long as the outage lasted if that is longer: a worker
+reconnecting with exponential backoff may sleep about that long), since no heartbeat could
+renew them meanwhile.
 
 Fields of a worker hash: `spec` (capability JSON), `cred` (SHA-256 of the credential),
 `load` (the last load report, see `store.encode_load`), `lat` (load reported-at ms), `reg`,

@@ -238,10 +238,12 @@ return {'ok', emit_put(key, id)}
 _SWEEP = (
     _PRELUDE
     + """
--- ARGV 5: the default lease (the grace after an outage), 8: the outage gap (ms)
+-- ARGV 5: the default lease, 8: the outage gap (ms). The grace after an outage lasts one
+-- default lease or the outage's own length, whichever is longer: a client reconnecting
+-- with exponential backoff sleeps at most about as long as it has been cut off.
 if alive > 0 and now - alive > tonumber(ARGV[8]) then
   grace_from = alive
-  grace_until = math.max(grace_until, now + tonumber(ARGV[5]))
+  grace_until = math.max(grace_until, now + math.max(tonumber(ARGV[5]), now - alive))
   redis.call('HSET', KEYS[7], 'from', grace_from, 'until', grace_until)
 end
 redis.call('HSET', KEYS[7], 'alive', now, 'gap', ARGV[8])
