@@ -6,7 +6,6 @@ scheduler (whoever called Schedule), and the same refusal reasons."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -18,8 +17,7 @@ from hetero_pd.v1 import registry_pb2_grpc as r_grpc
 from hetero_pd.v1 import scheduler_pb2 as s
 from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
 from hpd_common import auth
-from hpd_common.controlplane import ControlPlane, ControlPlaneSettings, InProcessKvBroker
-from hpd_common.embedded_redis import EmbeddedRedis
+from hpd_common.controlplane import ControlPlane, InProcessKvBroker
 from hpd_scheduler.broker_client import SessionRefused
 from tests.component.test_prefix_routing import _register
 from tests.conftest import external
@@ -28,16 +26,6 @@ pytestmark = [
     pytest.mark.integration,
     pytest.mark.skipif(external("registry") is not None, reason="starts its own servers"),
 ]
-
-
-@pytest.fixture
-async def plane(redis_server: EmbeddedRedis, key_prefix: str) -> AsyncIterator[ControlPlane]:
-    cp = ControlPlane(ControlPlaneSettings(redis_url=redis_server.url, key_prefix=key_prefix))
-    await cp.start()
-    try:
-        yield cp
-    finally:
-        await cp.stop()
 
 
 def _opener(plane: ControlPlane) -> InProcessKvBroker:

@@ -8,7 +8,6 @@ leaves."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +26,8 @@ from hpd_agent.agent import Agent, AgentTiming
 from hpd_agent.capability import AgentFlags
 from hpd_agent.engines import VllmAdapter
 from hpd_common.clock import SystemClock
-from hpd_common.controlplane import ControlPlane, ControlPlaneSettings
-from hpd_common.embedded_redis import EmbeddedRedis, free_port
+from hpd_common.controlplane import ControlPlane
+from hpd_common.embedded_redis import free_port
 from hpd_scheduler.policy.prefix import chain_hashes
 from tests.component.test_registry_api import code_of
 from tests.conftest import external
@@ -41,16 +40,6 @@ pytestmark = [
 BLOCK = 128
 PROMPT = list(range(5000, 5600))  # 600 tokens: 4 full blocks
 CHAIN = chain_hashes(PROMPT, BLOCK)
-
-
-@pytest.fixture
-async def plane(redis_server: EmbeddedRedis, key_prefix: str) -> AsyncIterator[ControlPlane]:
-    cp = ControlPlane(ControlPlaneSettings(redis_url=redis_server.url, key_prefix=key_prefix))
-    await cp.start()
-    try:
-        yield cp
-    finally:
-        await cp.stop()
 
 
 async def _register(stub: r_grpc.RegistryServiceStub, wid: str, **kw: Any) -> str:

@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from redis.exceptions import RedisError
 
+from hetero_pd.v1 import common_pb2 as c
 from hetero_pd.v1 import registry_pb2 as r
 from hetero_pd.v1 import registry_pb2_grpc as r_grpc
 from hpd_common.embedded_redis import EmbeddedRedis, free_port
@@ -177,6 +178,17 @@ async def test_redis_outage_unavailable_then_recovers(tmp_path: Path, key_prefix
         redis.stop()
 
 
+async def _register(
+    stub: r_grpc.RegistryServiceStub, wid: str, lease_ms: int
+) -> tuple[r.RegisterWorkerResponse, c.Worker]:
+    """Registers ``wid`` with a lease of ``lease_ms``: the answer and the record as read."""
+    reg = await stub.RegisterWorker(
+        r.RegisterWorkerRequest(capability=capability(wid), lease_ttl_ms=lease_ms), timeout=5
+    )
+    got = await stub.GetWorker(r.GetWorkerRequest(worker_id=wid), timeout=5)
+    return reg, got.worker
+
+
 async def test_a_redis_outage_longer_than_the_lease_loses_no_worker(
     tmp_path: Path, key_prefix: str
 ) -> None:
@@ -193,11 +205,7 @@ async def test_a_redis_outage_longer_than_the_lease_loses_no_worker(
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
             stub = r_grpc.RegistryServiceStub(ch)
             wid = key_prefix + "-steady"
-            reg = await stub.RegisterWorker(
-                r.RegisterWorkerRequest(capability=capability(wid), lease_ttl_ms=lease_ms),
-                timeout=5,
-            )
-            first = (await stub.GetWorker(r.GetWorkerRequest(worker_id=wid), timeout=5)).worker
+            reg, first = await _register(stub, wid, lease_ms)
             watch = EventReader(stub.WatchWorkers(r.WatchWorkersRequest(from_revision=1)))
 
             async def heartbeats() -> None:
@@ -261,11 +269,7 @@ async def test_a_worker_backing_off_after_a_long_outage_keeps_its_registration(
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
             stub = r_grpc.RegistryServiceStub(ch)
             wid = key_prefix + "-backoff"
-            reg = await stub.RegisterWorker(
-                r.RegisterWorkerRequest(capability=capability(wid), lease_ttl_ms=lease_ms),
-                timeout=5,
-            )
-            first = (await stub.GetWorker(r.GetWorkerRequest(worker_id=wid), timeout=5)).worker
+            reg, first = await _register(stub, wid, lease_ms)
             beat = r.HeartbeatRequest(worker_id=wid, credential=reg.credential)
             for _ in range(4):  # alive up to the outage (AOF fsync is every second)
                 await asyncio.sleep(lease_ms / 3000)
