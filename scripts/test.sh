@@ -6,6 +6,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh
 export PATH="$PWD/.venv/bin:$PATH"
-echo "== ruff"; ruff check . && ruff format --check .
+echo "== ruff"
+# one command per line: under set -e a failure on the left of && does not stop the script
+ruff check .
+ruff format --check .
 echo "== mypy"; mypy services tests bench scripts
 echo "== pytest"; pytest -q "$@"

@@ -14,7 +14,6 @@ engine cannot be described (the message names the flag to give).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import signal
 import sys
@@ -29,7 +28,7 @@ from hpd_common.clock import SystemClock
 from hpd_common.errors import InvalidArgument
 from hpd_common.logging import configure_logging
 from hpd_common.metrics import serve_metrics
-from hpd_common.settings import add_arguments, load_settings, split_csv
+from hpd_common.settings import load_settings, settings_parser, split_csv
 
 from .agent import EXIT_CONFIG, Agent, AgentMetrics, AgentTiming
 from .capability import ROLES, AgentFlags
@@ -206,13 +205,7 @@ async def _run(s: AgentSettings, flags: AgentFlags) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     prog = "hpd agent"
-    parser = argparse.ArgumentParser(
-        prog=prog,
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
-        epilog=__doc__.split("\n\n", 1)[1] if __doc__ else None,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(parser, AgentSettings)
+    parser = settings_parser(prog, __doc__, AgentSettings)
     args = parser.parse_args(argv)
     try:
         settings = load_settings(AgentSettings, args)

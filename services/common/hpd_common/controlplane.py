@@ -90,22 +90,22 @@ class InProcessKvBroker:
     enabled = True
 
     def __init__(self, service: Any, scheduler_token: str, timeout_s: float) -> None:
+        # imported here, not at module level: the launcher loads services only when it
+        # starts them (hpd_common is imported by every service)
+        from hpd_kvbroker.service import Caller, OpenRequest
+        from hpd_scheduler.broker_client import SessionRefused, refusal_for
+
         self._svc = service
-        self._token = scheduler_token
+        self._caller = Caller(scheduler_token=scheduler_token)
         self._timeout_s = timeout_s
-
-    def _caller(self) -> Any:
-        from hpd_kvbroker.service import Caller
-
-        return Caller(scheduler_token=self._token)
+        self._open_request = OpenRequest
+        self._refused = SessionRefused
+        self._refusal_for = refusal_for
 
     async def open(
         self, request_id: str, source_worker_id: str, destination_worker_id: str, kv_bytes: int
     ) -> str:
-        from hpd_kvbroker.service import OpenRequest
-        from hpd_scheduler.broker_client import SessionRefused, refusal_for
-
-        req = OpenRequest(
+        req = self._open_request(
             request_id=request_id,
             source_worker_id=source_worker_id,
             destination_worker_id=destination_worker_id,
@@ -114,13 +114,13 @@ class InProcessKvBroker:
         try:
             with auth.acting_as(_SCHEDULER):
                 async with asyncio.timeout(self._timeout_s):
-                    session, _created = await self._svc.open(req, self._caller())
+                    session, _created = await self._svc.open(req, self._caller)
         except Exception as exc:
-            reason = refusal_for(exc)
+            reason = self._refusal_for(exc)
             if reason is None:
                 raise  # a bug, not a refusal: the Schedule RPC reports it as one
             log.warning("kv_session_refused", target="in-process", reason=reason)
-            raise SessionRefused(reason) from exc
+            raise self._refused(reason) from exc
         return str(session.session_id)
 
     async def abort(self, session_id: str, reason: str) -> None:
@@ -128,7 +128,7 @@ class InProcessKvBroker:
             return
         with contextlib.suppress(Exception), auth.acting_as(_SCHEDULER):
             async with asyncio.timeout(self._timeout_s):
-                await self._svc.abort(session_id, self._caller(), reason[:256])
+                await self._svc.abort(session_id, self._caller, reason[:256])
 
     async def close(self) -> None:
         return None

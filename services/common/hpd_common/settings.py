@@ -58,6 +58,20 @@ def coerce(name: str, kind: type[Any], raw: Any) -> Any:
         raise InvalidArgument(name, str(exc)) from exc
 
 
+def settings_parser(prog: str, doc: str | None, cls: type[Any]) -> argparse.ArgumentParser:
+    """A command's parser: its module docstring's first paragraph as the description, the
+    rest (examples, what it needs) as the epilog, and a flag per field of ``cls``."""
+    head, _, rest = (doc or "").partition("\n\n")
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=head or None,
+        epilog=rest or None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(parser, cls)
+    return parser
+
+
 def add_arguments(parser: argparse.ArgumentParser, cls: type[Any]) -> None:
     """Adds a flag per settings field (default None, so unset flags do not override)."""
     parser.add_argument("--config", help="YAML file of settings (keys are the flag names with _)")

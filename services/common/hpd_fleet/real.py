@@ -60,8 +60,9 @@ autogroup scheduling (on by default on desktop and many server kernels) CPU is s
 between sessions first: engines and the router in sessions of their own but the control
 plane, agents, gateway and the benchmark's client in one would give that one group a single
 share against two engines that spin on their cores (measured in bench/gateway.py:
-the control plane stalled up to 1.1 s at a time; the gateway's Schedule step had a p99 of
-656 ms there against 114-185 ms with a session of its own)."""
+asyncio's slow-callback log showed the control plane stalled for up to 1.3 s at a time;
+the gateway's Schedule step had a p99 of 656 ms there against 114-185 ms with a session
+of its own)."""
 
 ENGINE_ENV = {
     "HF_HUB_OFFLINE": "1",

@@ -13,7 +13,6 @@ Every setting is also HPD_<NAME> and a key of the YAML file given by ``--config`
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import signal
 import sys
@@ -26,7 +25,7 @@ from prometheus_client import REGISTRY
 from hpd_common.channels import CallSettings
 from hpd_common.errors import InvalidArgument
 from hpd_common.logging import configure_logging, get_logger
-from hpd_common.settings import add_arguments, load_settings, split_csv
+from hpd_common.settings import load_settings, settings_parser, split_csv
 
 from .api import build_app
 from .control_client import ControlPlane
@@ -140,13 +139,7 @@ async def serve(s: GatewaySettings, ready: asyncio.Event | None = None) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     prog = "hpd gateway"
-    parser = argparse.ArgumentParser(
-        prog=prog,
-        description=(__doc__ or "").split("\n\n")[0],
-        epilog=(__doc__ or "").split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(parser, GatewaySettings)
+    parser = settings_parser(prog, __doc__, GatewaySettings)
     args = parser.parse_args(argv)
     try:
         settings = load_settings(GatewaySettings, args)

@@ -39,4 +39,6 @@ class GatewayMetrics:
             "The gateway's own steps before the first engine call: tokenize, schedule",
             ["phase"], buckets=(*_TPOT_BUCKETS, 2.5, 5), registry=r,
         )  # fmt: skip
+        self.tokenize_seconds = self.phase.labels("tokenize")  # per request: looked up once
+        self.schedule_seconds = self.phase.labels("schedule")
         self.in_flight = Gauge("hpd_gateway_in_flight", "Requests being served", registry=r)

@@ -205,13 +205,13 @@ class Gateway:
             t_s = self._clock()
             out.tokenize_ms = (t_s - t0) * 1000
             sink.server_timing["tokenize"] = out.tokenize_ms
-            self.metrics.phase.labels("tokenize").observe(t_s - t0)
+            self.metrics.tokenize_seconds.observe(t_s - t0)
             plan = await self.control.schedule(
                 request_id, req.model, prompt_tokens, output_tokens, tier, prefix, block
             )
             out.schedule_ms = (self._clock() - t_s) * 1000
             sink.server_timing["schedule"] = out.schedule_ms
-            self.metrics.phase.labels("schedule").observe(out.schedule_ms / 1000)
+            self.metrics.schedule_seconds.observe(out.schedule_ms / 1000)
             try:
                 await self._run(req, plan, sink, t0, out)
             except _Exhausted:

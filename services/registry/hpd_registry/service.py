@@ -765,10 +765,10 @@ class RegistryService:
         """Expires leases, except those an outage kept from being renewed. A sweep writes
         when it ran; one that finds the last sweep older than ``outage_gap_ms`` (Redis, or
         every registry, was away) keeps the leases that ran out since then live for one
-        default lease more (or the outage's length, if longer), and until it runs every heartbeat script already treats them
-        as live (``store.sweep``, ``keys.py``). So an outage longer than a lease does not
-        empty the fleet: each worker renews at its next heartbeat, keeping its
-        registration, credential and KV sessions."""
+        default lease more (or the outage's length, if longer), and until it runs every
+        heartbeat script already treats them as live (``store.sweep``, ``keys.py``). So an
+        outage longer than a lease does not empty the fleet: each worker renews at its next
+        heartbeat, keeping its registration, credential and KV sessions."""
         interval_s = self.settings.sweep_interval_ms / 1000
         gap_ms = max(3 * self.settings.sweep_interval_ms, 1_000)
         while True:
