@@ -26,6 +26,19 @@ requests.
     python bench/goodput.py            # full trace (several minutes)
     python bench/goodput.py --quick    # first 3,000 requests, coarser search (< 1 minute)
     python bench/goodput.py --json     # one JSON object
+
+``--suite``: the scheduling-quality matrix instead (``hpd_scheduler.sim.suite`` says what is in
+it): goodput of ours, least_loaded, seed, colocated, round_robin and random on every cluster
+of ``data/clusters/`` and ``data/clusters/suite/`` x every suite workload (Azure
+conversation, Mooncake, synthetic long prompts, short prompts and bursts); per cell
+``ours_vs_best_baseline``; overall ``min_ours_vs_best_baseline`` and
+``geomean_ours_vs_least_loaded_heterogeneous``. Prints the matrix and, with ``--out DIR``
+(default ``bench/results``), writes ``suite.json`` and the heat map ``suite.png``.
+``--suite --quick``: the same matrix on shorter traces (40 s of arrivals at each cell's
+fluid bound, at most 2,500 requests; the full suite: 120 s, at most 8,000) and a coarser
+search (10 % against 4 %).
+
+    python bench/goodput.py --suite --quick --json
 """
 
 from __future__ import annotations
@@ -34,10 +47,11 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from hpd_common.traces import load_trace, reshape
-from hpd_scheduler.sim import SimConfig, Slo, load_cluster, simulate
+from hpd_scheduler.sim import SimConfig, Slo, load_cluster, simulate, suite
 from hpd_scheduler.sim.cli import default_trace_path
 from hpd_scheduler.sim.goodput import fluid_bound
 from hpd_scheduler.sim.runner import resolve_policy, run_policy
@@ -54,7 +68,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="trace slice, coarse search (< 1 min)")
     ap.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    ap.add_argument("--suite", action="store_true", help="the clusters x workloads matrix")
+    ap.add_argument(
+        "--processes", type=int, default=None, help="suite: parallel cells (default: cores)"
+    )
+    ap.add_argument("--out", default="bench/results", help="suite: where JSON and PNG go")
     args = ap.parse_args(argv)
+    if args.suite:
+        return run_suite_main(args)
 
     trace = load_trace(default_trace_path())
     full_n = len(trace)
@@ -143,6 +164,58 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{key:<26} {out[key]:.2f}")
         note = "" if not args.quick else " (extrapolated from the slice)"
         print(f"sim_seconds_full_trace     {sim_full_s:.1f}{note}")
+    return 0
+
+
+def run_suite_main(args: argparse.Namespace) -> int:
+    seconds, cap, tol = (40.0, 2500, 0.10) if args.quick else (120.0, 8000, 0.04)
+    total = len(suite.CLUSTERS) * len(suite.WORKLOADS)
+    t0 = time.perf_counter()
+
+    def progress(done: int, n: int, cell: suite.Cell) -> None:
+        el = time.perf_counter() - t0
+        eta = el / done * (n - done)
+        print(
+            f"[{done:>2}/{n}] {cell.cluster}/{cell.workload}: ours/best "
+            f"{cell.ratio(cell.best_baseline):.2f} ({cell.best_baseline}) "
+            f"{cell.wall_s:.0f} s; elapsed {el:.0f} s, eta {eta:.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    print(f"suite: {total} cells x {len(suite.POLICIES)} policies", file=sys.stderr)
+    cells = suite.run_suite(
+        seconds=seconds, max_requests=cap, rel_tol=tol, processes=args.processes,
+        progress=progress,
+    )  # fmt: skip
+    wall = time.perf_counter() - t0
+    out: dict[str, Any] = {
+        "suite": True,
+        "quick": args.quick,
+        "trace_seconds_at_bound": seconds,
+        "max_requests": cap,
+        "rel_tol": tol,
+        **suite.summarise(cells),
+        "sim_seconds_suite" + ("_quick" if args.quick else ""): wall,
+        "cells": [c.to_dict() for c in cells],
+    }
+    outdir = Path(args.out)
+    outdir.mkdir(parents=True, exist_ok=True)
+    name = "suite_quick" if args.quick else "suite"
+    (outdir / f"{name}.json").write_text(json.dumps(out, indent=1))
+    plotted = suite.plot_heatmap(cells, outdir / f"{name}.png")
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(suite.render_matrix(cells))
+        for key in (
+            "min_ours_vs_best_baseline",
+            "geomean_ours_vs_least_loaded_heterogeneous",
+            "geomean_ours_vs_best_baseline",
+        ):
+            print(f"{key:<44} {out[key]:.2f}")
+        print(f"worst cell: {out['min_cell']}; wall {wall:.0f} s")
+        print(f"wrote {outdir / (name + '.json')}" + (" and the heat map" if plotted else ""))
     return 0
 
 

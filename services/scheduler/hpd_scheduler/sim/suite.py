@@ -1,0 +1,285 @@
+"""The scheduling-quality suite: goodput of every policy on a matrix of clusters x workloads,
+so that a policy is judged on fleets and traffic it was not tuned on (``bench/goodput.py
+--suite``).
+
+**Clusters** (``data/clusters/default.yaml`` and ``data/clusters/suite/*.yaml``; each file
+says what it stresses): the default two-zone cluster; homogeneous (4 + 4 H100); strongly
+heterogeneous GPUs (H100, H200, A100-40G, A10G, L4 serving both stages); mixed KV formats
+(half the decode capacity reachable by recompute only); a slow shared cross-zone link with
+most decode capacity across it; prefill-heavy and decode-heavy GPU mixes.
+
+**Workloads**: the Azure conversation trace and the Mooncake long-context trace (their
+first ``n`` requests), and the synthetic generators of :mod:`.workloads` (long prompts,
+short prompts, bursts). Each runs in the tier whose targets suit it, and the SLO is that
+tier's (the planner plans against the same targets the run is scored on): interactive
+(TTFT 1,000 ms, TPOT 50 ms) for chat-sized prompts, standard (3,000 ms, 100 ms) for
+long-context ones.
+
+**Policies**: ours (the default profile) and the baselines least_loaded, seed, colocated,
+round_robin and random. Per cell, goodput (the highest rate with >= 90 % of requests meeting
+both SLOs, :func:`~.goodput.search_goodput`) of each, and ``ours_vs_best_baseline`` = ours /
+the best baseline's. Every search in a cell starts from half the cell's fluid bound, so the
+policies are bracketed from the same point.
+
+Figures: ``min_ours_vs_best_baseline`` over all cells and
+``geomean_ours_vs_least_loaded_heterogeneous`` over the cells of every cluster but the
+homogeneous one. Cells run in parallel processes (one per core by default); each is
+deterministic (seeded), so the matrix does not depend on the process count.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hpd_common.traces import Trace, load_trace, reshape
+
+from .cluster import default_cluster_path, load_cluster
+from .engine import SimConfig
+from .goodput import fluid_bound
+from .metrics import Slo
+from .runner import run_policy
+from .workloads import synthetic_trace
+
+__all__ = [
+    "BASELINES",
+    "CLUSTERS",
+    "HOMOGENEOUS",
+    "POLICIES",
+    "WORKLOADS",
+    "Cell",
+    "Workload",
+    "cluster_path",
+    "load_workload",
+    "render_matrix",
+    "run_cell",
+    "run_suite",
+    "summarise",
+]
+
+CLUSTERS = (
+    "default",
+    "homogeneous",
+    "hetero_gpus",
+    "mixed_kv",
+    "slow_link",
+    "prefill_heavy",
+    "decode_heavy",
+)
+HOMOGENEOUS = frozenset({"homogeneous"})
+BASELINES = ("least_loaded", "seed", "colocated", "round_robin", "random")
+POLICIES = ("ours", *BASELINES)
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """A suite workload: where its requests come from and the tier they run in."""
+
+    name: str
+    source: str  # a trace file under data/traces, or "synthetic:<generator>"
+    tier: str
+    slo: Slo
+
+
+_INTERACTIVE = Slo(ttft_ms=1000.0, tpot_ms=50.0)
+_STANDARD = Slo(ttft_ms=3000.0, tpot_ms=100.0)
+
+WORKLOADS = (
+    Workload("azure_conv", "azure_llm_2023_conv.csv", "interactive", _INTERACTIVE),
+    Workload("mooncake", "mooncake_synthetic.jsonl", "standard", _STANDARD),
+    Workload("long_prompts", "synthetic:long_prompts", "standard", _STANDARD),
+    Workload("short_prompts", "synthetic:short_prompts", "interactive", _INTERACTIVE),
+    Workload("bursts", "synthetic:bursts", "interactive", _INTERACTIVE),
+)
+
+
+def cluster_path(name: str) -> Path:
+    """The YAML of a suite cluster by name."""
+    default = default_cluster_path()
+    return default if name == "default" else default.parent / "suite" / f"{name}.yaml"
+
+
+def load_workload(w: Workload, n: int) -> Trace:
+    """The first ``n`` requests of a workload (a synthetic one generated with seed 0)."""
+    if w.source.startswith("synthetic:"):
+        return synthetic_trace(w.source.partition(":")[2], n=n, seed=0)
+    traces = default_cluster_path().parent.parent / "traces"
+    return reshape(load_trace(traces / w.source), max_requests=n)
+
+
+@dataclass(slots=True)
+class Cell:
+    """One cluster x workload: goodput (req/s) per policy and the cell's fluid bound."""
+
+    cluster: str
+    workload: str
+    requests: int
+    fluid_bound_rps: float
+    goodput_rps: dict[str, float]
+    wall_s: float
+
+    @property
+    def best_baseline(self) -> str:
+        return max(BASELINES, key=lambda p: self.goodput_rps.get(p, 0.0))
+
+    def ratio(self, policy: str) -> float:
+        """Ours over ``policy`` (inf when ``policy`` served nothing)."""
+        return _ratio(self.goodput_rps.get("ours", 0.0), self.goodput_rps.get(policy, 0.0))
+
+    def to_dict(self) -> dict[str, Any]:
+        best = self.best_baseline
+        return {
+            "cluster": self.cluster,
+            "workload": self.workload,
+            "requests": self.requests,
+            "fluid_bound_rps": self.fluid_bound_rps,
+            "goodput_rps": self.goodput_rps,
+            "best_baseline": best,
+            "ours_vs_best_baseline": self.ratio(best),
+            "ours_vs_least_loaded": self.ratio("least_loaded"),
+            "wall_s": self.wall_s,
+        }
+
+
+def _ratio(a: float, b: float) -> float:
+    if b > 0:
+        return a / b
+    return 1.0 if a <= 0 else math.inf
+
+
+def run_cell(
+    cluster: str,
+    workload: str,
+    seconds: float,
+    max_requests: int,
+    rel_tol: float,
+    policies: Sequence[str] = POLICIES,
+) -> Cell:
+    """Goodput of each policy on one cell (module docstring). The cell's trace is as long
+    as ``seconds`` of arrivals at the fluid bound's rate (at least 400 requests, at most
+    ``max_requests``): a goodput measured on a trace that ends before the queues of an
+    overloaded fleet have built up would be a transient, not a rate the fleet sustains."""
+    import time
+
+    t0 = time.perf_counter()
+    spec = load_cluster(cluster_path(cluster))
+    w = next(x for x in WORKLOADS if x.name == workload)
+    sample = load_workload(w, 2000)
+    bound = fluid_bound(spec, sample.requests, w.slo.tpot_ms).rps
+    n = max(400, min(max_requests, round(bound * seconds)))
+    trace = load_workload(w, n)
+    config = SimConfig(seed=0, tiers=((w.tier, 1.0),))
+    start = max(0.5 * bound / trace.mean_rate, 1.0 / 64) if trace.mean_rate > 0 else 1.0
+    goodput: dict[str, float] = {}
+    for policy in policies:
+        run = run_policy(
+            spec, policy, trace, w.slo, config, search=True, start=start, rel_tol=rel_tol
+        )
+        goodput[policy] = run.goodput_rps or 0.0
+    return Cell(cluster, workload, len(trace), bound, goodput, time.perf_counter() - t0)
+
+
+def run_suite(
+    clusters: Sequence[str] = CLUSTERS,
+    workloads: Sequence[str] = tuple(w.name for w in WORKLOADS),
+    seconds: float = 120.0,
+    max_requests: int = 8000,
+    rel_tol: float = 0.04,
+    processes: int | None = None,
+    policies: Sequence[str] = POLICIES,
+    progress: Callable[[int, int, Cell], None] | None = None,
+) -> list[Cell]:
+    """Every cell of ``clusters`` x ``workloads``, in ``processes`` processes (default: one
+    per core); cells come back in matrix order."""
+    jobs = [(c, w) for c in clusters for w in workloads]
+    procs = max(1, min(processes or os.cpu_count() or 1, len(jobs)))
+    done: dict[tuple[str, str], Cell] = {}
+    if procs == 1:
+        for c, w in jobs:
+            done[(c, w)] = cell = run_cell(c, w, seconds, max_requests, rel_tol, policies)
+            if progress:
+                progress(len(done), len(jobs), cell)
+    else:
+        with ProcessPoolExecutor(max_workers=procs) as pool:
+            futures = [
+                pool.submit(run_cell, c, w, seconds, max_requests, rel_tol, policies)
+                for c, w in jobs
+            ]
+            for fut in as_completed(futures):
+                cell = fut.result()
+                done[(cell.cluster, cell.workload)] = cell
+                if progress:
+                    progress(len(done), len(jobs), cell)
+    return [done[j] for j in jobs]
+
+
+def summarise(cells: Sequence[Cell]) -> dict[str, Any]:
+    """The suite's figures: the per-cell minimum of ours over the best baseline, and the
+    geometric mean of ours over least-loaded across the heterogeneous clusters' cells."""
+    mins = [c.ratio(c.best_baseline) for c in cells]
+    het = [c.ratio("least_loaded") for c in cells if c.cluster not in HOMOGENEOUS]
+    het = [r for r in het if math.isfinite(r) and r > 0]
+    worst = min(cells, key=lambda c: c.ratio(c.best_baseline)) if cells else None
+    return {
+        "min_ours_vs_best_baseline": min(mins) if mins else None,
+        "min_cell": f"{worst.cluster}/{worst.workload}" if worst else None,
+        "cells_below_best_baseline": sum(1 for r in mins if r < 1.0),
+        "geomean_ours_vs_least_loaded_heterogeneous": (
+            math.exp(sum(math.log(r) for r in het) / len(het)) if het else None
+        ),
+        "geomean_ours_vs_best_baseline": (
+            math.exp(sum(math.log(r) for r in mins if 0 < r < math.inf) / len(mins))
+            if mins
+            else None
+        ),
+    }
+
+
+def render_matrix(cells: Sequence[Cell]) -> str:
+    """A text table: one row per cell, goodput per policy and ours / best baseline."""
+    head = f"{'cluster':<14} {'workload':<14}" + "".join(f"{p:>13}" for p in POLICIES)
+    lines = [head + f"{'ours/best':>11}  best", "-" * (len(head) + 20)]
+    for c in cells:
+        row = f"{c.cluster:<14} {c.workload:<14}"
+        row += "".join(f"{c.goodput_rps.get(p, 0.0):13.2f}" for p in POLICIES)
+        best = c.best_baseline
+        lines.append(row + f"{c.ratio(best):11.2f}  {best}")
+    return "\n".join(lines)
+
+
+def plot_heatmap(cells: Sequence[Cell], path: Path) -> bool:
+    """Ours / best baseline per cell as a heat map (green >= 1, red < 1); False without
+    matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.colors import TwoSlopeNorm
+    except ImportError:
+        return False
+    clusters = list(dict.fromkeys(c.cluster for c in cells))
+    workloads = list(dict.fromkeys(c.workload for c in cells))
+    grid = [[math.nan] * len(workloads) for _ in clusters]
+    for c in cells:
+        grid[clusters.index(c.cluster)][workloads.index(c.workload)] = c.ratio(c.best_baseline)
+    fig, ax = plt.subplots(figsize=(1.6 * len(workloads) + 2.5, 0.6 * len(clusters) + 1.8))
+    finite = [v for row in grid for v in row if math.isfinite(v)]
+    lo, hi = min([*finite, 0.9]), max([*finite, 1.1])
+    im = ax.imshow(grid, cmap="RdYlGn", norm=TwoSlopeNorm(vcenter=1.0, vmin=lo, vmax=hi))
+    ax.set_xticks(range(len(workloads)), workloads, rotation=30, ha="right")
+    ax.set_yticks(range(len(clusters)), clusters)
+    for i, row in enumerate(grid):
+        for j, v in enumerate(row):
+            ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8)
+    ax.set_title("Goodput: ours / best baseline (>= 1: ours is at least as good)")
+    fig.colorbar(im, ax=ax, label="ours / best baseline (goodput ratio)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

@@ -1,0 +1,97 @@
+"""The scheduling-quality suite: its workloads are what their docstring says, its clusters
+load, and a cell's figures are computed from the policies' goodputs."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import pytest
+
+from hpd_scheduler.sim import load_cluster
+from hpd_scheduler.sim.suite import (
+    CLUSTERS,
+    WORKLOADS,
+    Cell,
+    cluster_path,
+    load_workload,
+    run_cell,
+    summarise,
+)
+from hpd_scheduler.sim.workloads import SYNTHETIC, synthetic_trace
+
+
+@pytest.mark.parametrize("name", sorted(SYNTHETIC))
+def test_a_synthetic_workload_is_seeded_and_runs_at_one_request_a_second(name: str) -> None:
+    a = synthetic_trace(name, n=3000, seed=1)
+    assert a == synthetic_trace(name, n=3000, seed=1)
+    assert a != synthetic_trace(name, n=3000, seed=2)
+    assert len(a) == 3000 and a.requests[0].arrival_s == 0.0
+    assert a.mean_rate == pytest.approx(1.0, rel=0.1)
+    spec = SYNTHETIC[name]
+    prompts = [r.prompt_tokens for r in a.requests]
+    outputs = [r.output_tokens for r in a.requests]
+    assert spec.prompt.lo <= min(prompts) and max(prompts) <= spec.prompt.hi
+    assert spec.output.lo <= min(outputs) and max(outputs) <= spec.output.hi
+    assert statistics.median(prompts) == pytest.approx(spec.prompt.median, rel=0.1)
+    assert statistics.median(outputs) == pytest.approx(spec.output.median, rel=0.1)
+
+
+def test_bursts_come_in_bursts() -> None:
+    """Arrivals per 10 s window: the on windows hold about 3x the mean, the off ones none."""
+    t = synthetic_trace("bursts", n=3000)
+    counts = [0] * (int(t.requests[-1].arrival_s // 10) + 1)
+    for r in t.requests:
+        counts[int(r.arrival_s // 10)] += 1
+    assert counts.count(0) >= len(counts) // 2
+    busy = [c for c in counts if c]
+    assert statistics.mean(busy) == pytest.approx(30, rel=0.2)
+
+
+def test_an_unknown_workload_is_named() -> None:
+    with pytest.raises(ValueError, match="long_prompts"):
+        synthetic_trace("nope")
+
+
+@pytest.mark.parametrize("name", CLUSTERS)
+def test_every_suite_cluster_loads(name: str) -> None:
+    c = load_cluster(cluster_path(name))
+    assert c.name == name and c.gpus >= 7
+
+
+@pytest.mark.parametrize("w", WORKLOADS, ids=lambda w: w.name)
+def test_every_suite_workload_loads(w: object) -> None:
+    t = load_workload(w, 50)  # type: ignore[arg-type]
+    assert len(t) == 50
+
+
+def _cell(cluster: str, **goodput: float) -> Cell:
+    return Cell(cluster, "w", 100, 10.0, dict(goodput), 0.0)
+
+
+def test_a_cell_compares_ours_with_its_best_baseline() -> None:
+    c = _cell("mixed_kv", ours=9.0, least_loaded=6.0, seed=3.0, colocated=10.0, round_robin=0.0)
+    assert c.best_baseline == "colocated"
+    assert c.to_dict()["ours_vs_best_baseline"] == pytest.approx(0.9)
+    assert c.ratio("least_loaded") == pytest.approx(1.5)
+    assert math.isinf(c.ratio("round_robin"))
+
+
+def test_the_summary_takes_the_worst_cell_and_leaves_the_homogeneous_cluster_out() -> None:
+    cells = [
+        _cell("homogeneous", ours=1.0, least_loaded=4.0),
+        _cell("mixed_kv", ours=4.0, least_loaded=1.0),
+        _cell("slow_link", ours=2.0, least_loaded=2.0),
+    ]
+    s = summarise(cells)
+    assert s["min_ours_vs_best_baseline"] == pytest.approx(0.25)
+    assert s["min_cell"] == "homogeneous/w"
+    assert s["cells_below_best_baseline"] == 1
+    assert s["geomean_ours_vs_least_loaded_heterogeneous"] == pytest.approx(2.0)
+
+
+def test_a_cell_runs_every_policy_it_is_given() -> None:
+    cell = run_cell("homogeneous", "short_prompts", 1.0, 400, 0.25, ("ours", "least_loaded"))
+    assert cell.requests == 400
+    assert set(cell.goodput_rps) == {"ours", "least_loaded"}
+    assert all(v > 0 for v in cell.goodput_rps.values())
