@@ -53,6 +53,13 @@ from hpd_scheduler.policy.synthetic import synthetic_fleet
 from .builders import GIB, MODEL, NOW, request, worker
 
 DEFAULT = builtin_profile("default")
+# the default profile with every decode worker's own prefill offered only where the seed rule
+# would (no pair can transfer faster): for tests about the choice among prefill workers,
+# which an idle decode worker prefilling for itself would otherwise pre-empt
+DISAGGREGATED = replace(
+    DEFAULT,
+    slo_objective=replace(DEFAULT.slo_objective, conditional=False),  # type: ignore[type-var]
+)
 
 
 def plan(
@@ -150,7 +157,7 @@ def test_fast_gpu_at_queue_8_beats_slow_gpu_at_queue_6() -> None:
     blind = BlindLoadScorer("blind")
     assert ours.score(h100, ctx) > ours.score(l4, ctx)
     assert blind.score(h100, ctx) < blind.score(l4, ctx)
-    decision = Planner(DEFAULT).plan(ctx.request, fleet, NOW, random.Random(0))
+    decision = Planner(DISAGGREGATED).plan(ctx.request, fleet, NOW, random.Random(0))
     assert decision.plan is not None
     assert decision.plan.prefill_worker_id == "h100"
 

@@ -162,9 +162,10 @@ def test_kv_incompatibility_alone_never_drops_a_worker(views: list, req) -> None
     other = Planner(PROFILES["default"]).plan(req, Fleet.build(flipped, NOW), NOW, random.Random(0))
     if base.kind is not DecisionKind.REJECT:
         # same health, memory (fp8 only lowers the need), queues and pressure: only the
-        # tier's hard TTFT limit may now refuse, when recomputing is too slow for it
-        assert other.kind is not DecisionKind.REJECT or other.reject_reasons == (
-            "exceeds_hard_ttft",
+        # tier's TTFT limits (hard, admission) may now refuse, when recomputing is too slow
+        assert other.kind is not DecisionKind.REJECT or other.reject_reasons in (
+            ("exceeds_hard_ttft",),
+            ("ttft_over_admission_limit",),
         )
     if other.plan is not None and other.plan.mode is Mode.TRANSFER:
         p = {v.worker_id: v for v in flipped}[other.plan.prefill_worker_id]

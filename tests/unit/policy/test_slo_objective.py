@@ -8,12 +8,19 @@ import random
 import pytest
 import yaml
 
+from hpd_common.kvformat import KvDtype
 from hpd_scheduler.policy import (
     ConfigError,
+    Decision,
     Fleet,
+    Link,
+    LinkModel,
     Mode,
     Planner,
+    Profile,
+    Request,
     Stage,
+    WorkerView,
     builtin_profile,
     builtin_profile_names,
     parse_profile,
@@ -132,7 +139,7 @@ def _default_text() -> str:
 
 
 def test_default_profile_carries_the_objective_and_baselines_do_not() -> None:
-    assert DEFAULT.slo_objective == SloObjective(0.7, 0.9, 0.5)
+    assert DEFAULT.slo_objective == SloObjective(0.7, 0.9, 0.5, conditional=True)
     for name in builtin_profile_names():
         if name != "default":
             assert builtin_profile(name).slo_objective is None, name
@@ -145,6 +152,7 @@ def test_default_profile_carries_the_objective_and_baselines_do_not() -> None:
         pytest.param({"tpot_fraction": "x"}, "slo_objective.tpot_fraction", id="not-a-number"),
         pytest.param({"slack_weight": 1.5}, "slo_objective.slack_weight", id="slack-above-1"),
         pytest.param({"margin": 0.5}, "slo_objective.margin", id="unknown-key"),
+        pytest.param({"conditional": "yes"}, "slo_objective.conditional", id="not-a-bool"),
     ],
 )
 def test_bad_slo_objective_names_the_key(block: dict[str, object], key: str) -> None:
@@ -168,3 +176,97 @@ def test_scores_stay_in_unit_interval() -> None:
     assert d.record is not None
     assert all(0.0 <= o.score <= 1.0 for o in d.record.options)
     assert all(t >= 0.0 for t in ttfts)
+
+
+# -- conditional disaggregation -----------------------------------------------------------------
+
+
+def _plan(views: list[WorkerView], req: Request, profile: Profile = DEFAULT) -> Decision:
+    return Planner(profile).plan(req, Fleet.build(views, NOW), NOW, random.Random(0))
+
+
+def _without_conditional() -> Profile:
+    doc = yaml.safe_load(_default_text())
+    doc["slo_objective"]["conditional"] = False
+    return parse_profile(doc)
+
+
+@pytest.mark.parametrize(
+    ("prefill_queue", "mode"),
+    [
+        pytest.param(0, Mode.TRANSFER, id="idle-prefill-worker-transfer"),
+        pytest.param(30, Mode.RECOMPUTE, id="queued-prefill-worker-decode-side-prefills"),
+    ],
+)
+def test_a_decode_worker_prefills_itself_when_the_cost_model_says_so(
+    prefill_queue: int, mode: Mode
+) -> None:
+    """Transfer is faster than recompute on this pair (the seed rule would always
+    transfer); with seconds of prompts queued on the prefill worker, the whole-path TTFT of
+    the transfer misses the interactive target and the idle decode worker's own prefill
+    keeps it."""
+    views = [
+        worker("p", Stage.PREFILL, gpu="H100-SXM", queue=prefill_queue, rack="r1"),
+        worker("d", Stage.DECODE, gpu="A100-80G", rack="r1"),
+    ]
+    d = _plan(views, request(3000, 200, "interactive"))
+    assert d.plan is not None and d.plan.mode is mode
+    est = d.plan.estimates
+    assert est.recompute_ms > 0
+    if mode is Mode.RECOMPUTE:
+        assert d.plan.prefill_worker_id == "d"
+        # without the conditional choice the same fleet transfers and waits behind the queue
+        plain = _plan(views, request(3000, 200, "interactive"), _without_conditional())
+        assert plain.plan is not None and plain.plan.mode is Mode.TRANSFER
+        assert plain.plan.estimates.ttft_ms > est.ttft_ms
+
+
+def test_a_pool_reachable_only_by_recompute_gets_requests_when_idle() -> None:
+    """The fp8 decode pool cannot take a bf16 transfer; when the bf16 decode worker's batch
+    is full it is the better place, by recompute."""
+    views = [
+        worker("p", Stage.PREFILL, gpu="H100-SXM", rack="r1"),
+        worker("bf16", Stage.DECODE, gpu="A100-80G", batch=256, queue=30, rack="r1"),
+        worker("fp8", Stage.DECODE, gpu="A100-80G", dtype=KvDtype.FP8_E4M3, rack="r1"),
+    ]
+    d = _plan(views, request(1500, 200, "interactive"))
+    assert d.plan is not None
+    assert d.plan.decode_worker_id == "fp8" and d.plan.mode is Mode.RECOMPUTE
+
+
+@pytest.mark.parametrize(
+    ("gbps", "mode"),
+    [
+        pytest.param(100.0, Mode.TRANSFER, id="fast-link-disaggregated"),
+        pytest.param(2.0, Mode.SAME_POOL, id="slow-link-colocated"),
+    ],
+)
+def test_a_slow_link_flips_a_long_prompt_to_colocated(gbps: float, mode: Mode) -> None:
+    links = LinkModel(pool_overrides={("pp", "both"): Link(gbps=gbps, latency_ms=2.0)})
+    views = [
+        worker("p", Stage.PREFILL, gpu="H100-SXM", pool="pp"),
+        worker("b", Stage.BOTH, gpu="L4", pool="both"),
+    ]
+    fleet = Fleet.build(views, NOW, links=links)
+    d = Planner(DEFAULT).plan(request(12000, 200), fleet, NOW, random.Random(0))
+    assert d.plan is not None and d.plan.mode is mode
+
+
+def test_a_local_prefill_counts_the_stall_it_puts_on_the_running_batch() -> None:
+    """The decode worker's batch steps within the TPOT target, but its own prefill of a long
+    prompt would stall every running sequence for that long, spread over this request's few
+    decode steps: the local option is predicted to miss TPOT (it keeps at most one target,
+    so its score is at most 2/3) and the transfer, which keeps both, is chosen although the
+    local option's TTFT estimate is the lower one."""
+    views = [
+        worker("p", Stage.PREFILL, gpu="H100-SXM", queue=12, rack="r1"),
+        worker("d", Stage.DECODE, gpu="L40S", batch=150, kv_total_gib=28.0, kv_free_gib=20.0),
+    ]
+    d = _plan(views, request(6000, 8, "standard"))
+    assert d.plan is not None and d.plan.mode is Mode.TRANSFER
+    by_mode = {o.mode: o for o in d.record.options}
+    local, xfer = by_mode[Mode.RECOMPUTE], by_mode[Mode.TRANSFER]
+    limit = 0.9 * DEFAULT.tier("standard").tpot_ms
+    assert local.d.step_ms <= limit < local.d.step_ms + local.p.run_ms / 8
+    assert local.ttft_ms < xfer.ttft_ms
+    assert local.score <= 2 / 3 < xfer.score

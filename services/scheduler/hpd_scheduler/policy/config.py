@@ -144,6 +144,8 @@ class SloObjective:
     ttft_fraction: float = 1.0
     tpot_fraction: float = 1.0
     slack_weight: float = 0.0
+    conditional: bool = False
+    admit_ttft_factor: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -388,13 +390,30 @@ def parse_profile(doc: Any, registry: PluginRegistry = REGISTRY, root: str = "")
     slo_objective: SloObjective | None = None
     if data.get("slo_objective") is not None:
         sraw = _map(data["slo_objective"], f"{p}slo_objective")
-        fractions: dict[str, float] = {}
+        fractions: dict[str, Any] = {}
         for k, v in sraw.items():
             path = f"{p}slo_objective.{k}"
-            _req(k in {"ttft_fraction", "tpot_fraction", "slack_weight"}, path, "unknown key")
+            _req(
+                k
+                in {
+                    "ttft_fraction",
+                    "tpot_fraction",
+                    "slack_weight",
+                    "conditional",
+                    "admit_ttft_factor",
+                },
+                path,
+                "unknown key",
+            )
+            if k == "conditional":
+                _req(isinstance(v, bool), path, "must be true or false")
+                fractions[k] = v
+                continue
             f = _num(v, path)
             if k == "slack_weight":
                 _req(0 <= f <= 1, path, "must be in [0, 1]")
+            elif k == "admit_ttft_factor":
+                _req(f == 0 or f >= 1, path, "must be 0 (off) or >= 1")
             else:
                 _req(0 < f <= 4, path, "must be in (0, 4]")
             fractions[str(k)] = f

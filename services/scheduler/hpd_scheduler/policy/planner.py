@@ -257,15 +257,25 @@ class Planner:
             record.explain = lambda o: self.pair_factors(o, ctx)
 
         hard = tier.hard_ttft_ms
+        reason = "exceeds_hard_ttft"
+        slo = prof.slo_objective
+        if slo is not None and slo.admit_ttft_factor > 0:
+            # admission: a request every option of which is predicted to take more than
+            # factor x its tier's TTFT target would miss its SLO anyway; refused now (with a
+            # retry delay) it no longer queues in front of requests that can still make theirs
+            limit = tier.ttft_ms * slo.admit_ttft_factor
+            if hard is None or limit < hard:
+                hard, reason = limit, "ttft_over_admission_limit"
         if hard is not None:
             ok = [o for o in options if o.ttft_ms <= hard]
             if not ok:
-                record.notes.append(f"all_options_exceed_hard_ttft_ms:{hard:g}")
+                kind_of = "hard" if reason == "exceeds_hard_ttft" else "admission"
+                record.notes.append(f"all_options_exceed_{kind_of}_ttft_ms:{hard:g}")
                 return self._reject(
                     request,
                     need,
                     _REJECT_SATURATED,
-                    ("exceeds_hard_ttft",),
+                    (reason,),
                     RejectClass.SATURATED,
                     self._retry_ms(tier),
                     record,
@@ -510,6 +520,7 @@ class Planner:
         prompt = ctx.request.prompt_tokens
         pair_score = self._pair_score
         slo = self.profile.slo_objective
+        local_always = slo is not None and slo.conditional
         # a worker in both top-k lists: its prefill candidate doubles as its local face
         faces = {id(p.ws): p for p in pcands}
         # per prefill candidate, once: (candidate, its worker, KV bytes per token, wait +
@@ -524,7 +535,7 @@ class Planner:
             recompute_ms = d.run_ms  # the decode worker's own prefill time for the prompt
             # a worker serving both stages always offers SAME_POOL; a decode-only worker
             # recomputes only when some pair's KV cannot reach it faster (seed rule)
-            need_local = colocated or dws.view.stage is Stage.BOTH or not pcands
+            need_local = colocated or dws.view.stage is Stage.BOTH or not pcands or local_always
             if not colocated:
                 for p, pws, bpt, ahead in sources:
                     if pws is dws:
@@ -732,17 +743,28 @@ def _apply_slo(
     admit = d.ws.admission_wait_ms(d.kv_need, float(max(req.expected_output_tokens, 16)))
     target = tier.ttft_ms
     ttft_limit = target * slo.ttft_fraction
-    tpot_ok = 1.0 if d.step_ms <= tier.tpot_ms * slo.tpot_fraction else 0.0
+    tpot_limit = tier.tpot_ms * slo.tpot_fraction
+    tpot_ok = 1.0 if d.step_ms <= tpot_limit else 0.0
+    steps = float(max(req.expected_output_tokens, 1))
     s = slo.slack_weight
     for i in range(first, len(options)):
         o = options[i]
+        if o.mode is not Mode.TRANSFER and o.p.ws is d.ws and slo.conditional and d.ws.batch:
+            # a local prefill stalls the running batch: the sequences there wait for the
+            # prefill queued on this worker and this prompt's, spread over a sequence's
+            # decode steps (this request's output stands for theirs); an idle batch has no
+            # one to stall
+            stall = (o.p.wait_ms + o.p.run_ms) / steps
+            kept_tpot = 1.0 if d.step_ms + stall <= tpot_limit else 0.0
+        else:
+            kept_tpot = tpot_ok
         if admit > 0:
             if o.mode is Mode.TRANSFER:
                 ahead = o.p.wait_ms + o.p.run_ms
                 o.ttft_ms += max(0.0, admit - ahead)
             else:
                 o.ttft_ms += admit
-        kept = tpot_ok + (1.0 if o.ttft_ms <= ttft_limit else 0.0)
+        kept = kept_tpot + (1.0 if o.ttft_ms <= ttft_limit else 0.0)
         slack = target / (target + max(o.ttft_ms, 0.0))
         o.score = ((1.0 - s) * o.score + s * slack + kept) / 3.0
 

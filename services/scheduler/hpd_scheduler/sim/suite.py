@@ -52,6 +52,7 @@ __all__ = [
     "HOMOGENEOUS",
     "POLICIES",
     "WORKLOADS",
+    "WORKLOAD_NAMES",
     "Cell",
     "Workload",
     "cluster_path",
@@ -96,6 +97,9 @@ WORKLOADS = (
     Workload("short_prompts", "synthetic:short_prompts", "interactive", _INTERACTIVE),
     Workload("bursts", "synthetic:bursts", "interactive", _INTERACTIVE),
 )
+
+
+WORKLOAD_NAMES = tuple(w.name for w in WORKLOADS)
 
 
 def cluster_path(name: str) -> Path:
@@ -186,7 +190,7 @@ def run_cell(
 
 def run_suite(
     clusters: Sequence[str] = CLUSTERS,
-    workloads: Sequence[str] = tuple(w.name for w in WORKLOADS),
+    workloads: Sequence[str] = WORKLOAD_NAMES,
     seconds: float = 120.0,
     max_requests: int = 8000,
     rel_tol: float = 0.04,

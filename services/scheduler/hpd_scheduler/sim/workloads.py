@@ -54,7 +54,8 @@ class Shape:
 
 
 def _poisson(rng: random.Random, n: int) -> list[float]:
-    t, out = 0.0, []
+    t = 0.0
+    out: list[float] = []
     for _ in range(n):
         t += rng.expovariate(1.0)
         out.append(t)
@@ -65,7 +66,8 @@ def _on_off(rng: random.Random, n: int, on_s: float = 10.0, off_s: float = 20.0)
     """Poisson arrivals at ``(on + off) / on`` x 1 req/s during ``on_s``, none during
     ``off_s``: a mean of 1 req/s in bursts of 3x."""
     peak = (on_s + off_s) / on_s
-    t, out = 0.0, []
+    t = 0.0
+    out: list[float] = []
     while len(out) < n:
         t += rng.expovariate(peak)
         phase = t % (on_s + off_s)
