@@ -214,6 +214,11 @@ def run_suite_main(args: argparse.Namespace) -> int:
             "geomean_ours_vs_best_baseline",
         ):
             print(f"{key:<44} {out[key]:.2f}")
+        print(
+            f"cells where ours falls further than least-loaded at {suite.OVERLOAD}x goodput: "
+            f"{out['cells_with_a_steeper_cliff_than_least_loaded']} of "
+            f"{out['cells_with_cliff_measured']}"
+        )
         print(f"worst cell: {out['min_cell']}; wall {wall:.0f} s")
         print(f"wrote {outdir / (name + '.json')}" + (" and the heat map" if plotted else ""))
     return 0

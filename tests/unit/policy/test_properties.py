@@ -127,7 +127,8 @@ def test_decisions_are_safe_and_deterministic(views: list, req, name: str, seed:
             if fleet.index(MODEL, Role.DECODE) is not None
             else []
         )
-        if "exceeds_hard_ttft" not in a.reject_reasons:
+        # (or the tier's TTFT limits refused it: hard, or admission past capacity)
+        if not {"exceeds_hard_ttft", "ttft_over_admission_limit"} & set(a.reject_reasons):
             assert executable == []
 
 

@@ -139,7 +139,9 @@ def _default_text() -> str:
 
 
 def test_default_profile_carries_the_objective_and_baselines_do_not() -> None:
-    assert DEFAULT.slo_objective == SloObjective(0.7, 0.9, 0.5, conditional=True)
+    assert DEFAULT.slo_objective == SloObjective(
+        0.7, 0.9, 0.5, conditional=True, admit_ttft_factor=1.0
+    )
     for name in builtin_profile_names():
         if name != "default":
             assert builtin_profile(name).slo_objective is None, name
@@ -188,6 +190,7 @@ def _plan(views: list[WorkerView], req: Request, profile: Profile = DEFAULT) -> 
 def _without_conditional() -> Profile:
     doc = yaml.safe_load(_default_text())
     doc["slo_objective"]["conditional"] = False
+    doc["slo_objective"]["admit_ttft_factor"] = 0  # plans it even when it would miss
     return parse_profile(doc)
 
 

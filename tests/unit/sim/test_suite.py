@@ -91,7 +91,19 @@ def test_the_summary_takes_the_worst_cell_and_leaves_the_homogeneous_cluster_out
 
 
 def test_a_cell_runs_every_policy_it_is_given() -> None:
-    cell = run_cell("homogeneous", "short_prompts", 1.0, 400, 0.25, ("ours", "least_loaded"))
+    cell = run_cell("mixed_kv", "long_prompts", 40.0, 400, 0.25, ("ours", "least_loaded"))
     assert cell.requests == 400
     assert set(cell.goodput_rps) == {"ours", "least_loaded"}
     assert all(v > 0 for v in cell.goodput_rps.values())
+    # past capacity both were measured, and both fell below the 90 % they kept at goodput
+    assert set(cell.past_capacity) == {"ours", "least_loaded"}
+    assert all(0.0 <= v < 0.9 for v in cell.past_capacity.values())
+    assert cell.steeper_cliff() is not None
+
+
+def test_a_cliff_is_steeper_when_ours_keeps_less_past_capacity() -> None:
+    c = _cell("default", ours=2.0, least_loaded=1.0)
+    assert c.steeper_cliff() is None
+    c.past_capacity = {"ours": 0.5, "least_loaded": 0.6}
+    assert c.steeper_cliff() is True
+    assert summarise([c])["cells_with_a_steeper_cliff_than_least_loaded"] == 1

@@ -257,25 +257,36 @@ class Planner:
             record.explain = lambda o: self.pair_factors(o, ctx)
 
         hard = tier.hard_ttft_ms
-        reason = "exceeds_hard_ttft"
-        slo = prof.slo_objective
-        if slo is not None and slo.admit_ttft_factor > 0:
-            # admission: a request every option of which is predicted to take more than
-            # factor x its tier's TTFT target would miss its SLO anyway; refused now (with a
-            # retry delay) it no longer queues in front of requests that can still make theirs
-            limit = tier.ttft_ms * slo.admit_ttft_factor
-            if hard is None or limit < hard:
-                hard, reason = limit, "ttft_over_admission_limit"
         if hard is not None:
             ok = [o for o in options if o.ttft_ms <= hard]
             if not ok:
-                kind_of = "hard" if reason == "exceeds_hard_ttft" else "admission"
-                record.notes.append(f"all_options_exceed_{kind_of}_ttft_ms:{hard:g}")
+                record.notes.append(f"all_options_exceed_hard_ttft_ms:{hard:g}")
                 return self._reject(
                     request,
                     need,
                     _REJECT_SATURATED,
-                    (reason,),
+                    ("exceeds_hard_ttft",),
+                    RejectClass.SATURATED,
+                    self._retry_ms(tier),
+                    record,
+                )
+            options = ok
+        slo = prof.slo_objective
+        if slo is not None and slo.admit_ttft_factor > 0:
+            # admission: when every option's predicted TTFT exceeds factor x the tier's
+            # target, the fleet is past capacity for this tier and the request would miss
+            # anyway; refused now (with a retry delay) it does not queue in front of requests
+            # that can still make theirs. A prompt too long to meet the target even on an idle
+            # worker is served while its wait is no longer than its own prefill and hand-off.
+            limit = tier.ttft_ms * slo.admit_ttft_factor
+            ok = [o for o in options if o.ttft_ms <= limit or o.ttft_ms <= 2.0 * _own_ms(o)]
+            if not ok:
+                record.notes.append(f"all_options_exceed_admission_ttft_ms:{limit:g}")
+                return self._reject(
+                    request,
+                    need,
+                    _REJECT_SATURATED,
+                    ("ttft_over_admission_limit",),
                     RejectClass.SATURATED,
                     self._retry_ms(tier),
                     record,
@@ -767,6 +778,12 @@ def _apply_slo(
         kept = kept_tpot + (1.0 if o.ttft_ms <= ttft_limit else 0.0)
         slack = target / (target + max(o.ttft_ms, 0.0))
         o.score = ((1.0 - s) * o.score + s * slack + kept) / 3.0
+
+
+def _own_ms(o: Option) -> float:
+    """The part of an option's TTFT estimate that is the request's own work, not waiting:
+    its prefill and, for a transfer, the hand-off."""
+    return o.p.run_ms + (o.transfer_ms if o.mode is Mode.TRANSFER else 0.0)
 
 
 def _handoff_cost(o: Option) -> float:

@@ -23,7 +23,9 @@ policies are bracketed from the same point.
 
 Figures: ``min_ours_vs_best_baseline`` over all cells and
 ``geomean_ours_vs_least_loaded_heterogeneous`` over the cells of every cluster but the
-homogeneous one. Cells run in parallel processes (one per core by default); each is
+homogeneous one. Past capacity: the attainment of ours and of least-loaded at 1.5x each
+one's own goodput rate (``attainment_past_capacity``), and the number of cells where ours
+falls further than least-loaded (``cells_with_a_steeper_cliff_than_least_loaded``). Cells run in parallel processes (one per core by default); each is
 deterministic (seeded), so the matrix does not depend on the process count.
 """
 
@@ -33,7 +35,7 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +45,7 @@ from .cluster import default_cluster_path, load_cluster
 from .engine import SimConfig
 from .goodput import fluid_bound
 from .metrics import Slo
-from .runner import run_policy
+from .runner import resolve_policy, run_point, run_policy
 from .workloads import synthetic_trace
 
 __all__ = [
@@ -75,6 +77,10 @@ CLUSTERS = (
 HOMOGENEOUS = frozenset({"homogeneous"})
 BASELINES = ("least_loaded", "seed", "colocated", "round_robin", "random")
 POLICIES = ("ours", *BASELINES)
+CLIFF_POLICIES = ("ours", "least_loaded")
+OVERLOAD = 1.5
+"""Past capacity: the attainment of ``CLIFF_POLICIES`` at ``OVERLOAD`` x their own goodput
+rate, which says how steep each one's cliff is (at goodput both keep 90 %)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +132,7 @@ class Cell:
     fluid_bound_rps: float
     goodput_rps: dict[str, float]
     wall_s: float
+    past_capacity: dict[str, float] = field(default_factory=dict)
 
     @property
     def best_baseline(self) -> str:
@@ -146,8 +153,17 @@ class Cell:
             "best_baseline": best,
             "ours_vs_best_baseline": self.ratio(best),
             "ours_vs_least_loaded": self.ratio("least_loaded"),
+            "attainment_past_capacity": self.past_capacity,
             "wall_s": self.wall_s,
         }
+
+    def steeper_cliff(self) -> bool | None:
+        """Ours keeps less attainment than least-loaded at ``OVERLOAD`` x each one's own
+        goodput (None when either was not measured)."""
+        ours, ll = self.past_capacity.get("ours"), self.past_capacity.get("least_loaded")
+        if ours is None or ll is None:
+            return None
+        return ours < ll
 
 
 def _ratio(a: float, b: float) -> float:
@@ -180,12 +196,18 @@ def run_cell(
     config = SimConfig(seed=0, tiers=((w.tier, 1.0),))
     start = max(0.5 * bound / trace.mean_rate, 1.0 / 64) if trace.mean_rate > 0 else 1.0
     goodput: dict[str, float] = {}
+    past: dict[str, float] = {}
     for policy in policies:
         run = run_policy(
             spec, policy, trace, w.slo, config, search=True, start=start, rel_tol=rel_tol
         )
         goodput[policy] = run.goodput_rps or 0.0
-    return Cell(cluster, workload, len(trace), bound, goodput, time.perf_counter() - t0)
+        if policy in CLIFF_POLICIES and run.goodput_scale:
+            at = run_point(
+                spec, resolve_policy(policy), trace, OVERLOAD * run.goodput_scale, w.slo, config
+            )
+            past[policy] = at.attainment
+    return Cell(cluster, workload, len(trace), bound, goodput, time.perf_counter() - t0, past)
 
 
 def run_suite(
@@ -229,7 +251,10 @@ def summarise(cells: Sequence[Cell]) -> dict[str, Any]:
     het = [c.ratio("least_loaded") for c in cells if c.cluster not in HOMOGENEOUS]
     het = [r for r in het if math.isfinite(r) and r > 0]
     worst = min(cells, key=lambda c: c.ratio(c.best_baseline)) if cells else None
+    cliffs = [c.steeper_cliff() for c in cells]
     return {
+        "cells_with_a_steeper_cliff_than_least_loaded": sum(1 for x in cliffs if x),
+        "cells_with_cliff_measured": sum(1 for x in cliffs if x is not None),
         "min_ours_vs_best_baseline": min(mins) if mins else None,
         "min_cell": f"{worst.cluster}/{worst.workload}" if worst else None,
         "cells_below_best_baseline": sum(1 for r in mins if r < 1.0),
