@@ -25,7 +25,8 @@ Figures: ``min_ours_vs_best_baseline`` over all cells and
 ``geomean_ours_vs_least_loaded_heterogeneous`` over the cells of every cluster but the
 homogeneous one. Past capacity: the attainment of ours and of least-loaded at 1.5x each
 one's own goodput rate (``attainment_past_capacity``), and the number of cells where ours
-falls further than least-loaded (``cells_with_a_steeper_cliff_than_least_loaded``). Cells run in parallel processes (one per core by default); each is
+falls further than least-loaded (``cells_with_a_steeper_cliff_than_least_loaded``).
+Cells run in parallel processes (one per core by default); each is
 deterministic (seeded), so the matrix does not depend on the process count.
 """
 
