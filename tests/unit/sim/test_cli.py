@@ -61,8 +61,19 @@ def test_goodput_search_prints_a_table(capsys: pytest.CaptureFixture[str]) -> No
         pytest.param(["--policy", "nonesuch"], id="unknown-policy"),
         pytest.param(["--slo", "ttft=5"], id="bad-slo"),
         pytest.param(["--cluster", "/nonexistent.yaml"], id="missing-cluster"),
+        pytest.param(["--trace", "synthetic:nonesuch"], id="unknown-synthetic-workload"),
     ],
 )
 def test_bad_arguments_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*argv, "--max-requests", "10", "--no-progress"]) == 2
     assert "hpd sim:" in capsys.readouterr().err
+
+
+def test_a_synthetic_workload_runs_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(
+        ["--trace", "synthetic:long_prompts", "--max-requests", "60", "--json", "--no-progress"]
+    )
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["trace"]["name"] == "synthetic:long_prompts" and doc["trace"]["requests"] == 60
+    assert doc["trace"]["mean_rate_rps"] > 0

@@ -6,6 +6,7 @@ Examples::
     hpd sim --policy ours,least_loaded,seed,colocated --rate-scale 4,8
     hpd sim --policy ours --policy least_loaded --search-goodput --out results/
     hpd sim --trace data/traces/mooncake_synthetic_slice.jsonl --slo ttft=5000,tpot=100 --json
+    hpd sim --trace synthetic:bursts --cluster data/clusters/suite/slow_link.yaml --search-goodput
 
 The table shows, per policy and rate, the SLO attainment (both TTFT and TPOT met, rejected
 requests counted as misses), TTFT/TPOT/TBT percentiles and hand-off modes; with
@@ -33,6 +34,7 @@ from .engine import SimConfig
 from .goodput import fluid_bound
 from .metrics import Slo
 from .runner import PolicyRun, run_policy
+from .workloads import synthetic_trace
 
 __all__ = ["build_parser", "default_trace_path", "main", "render_table"]
 
@@ -56,13 +58,23 @@ def _tiers(text: str) -> tuple[tuple[str, float], ...]:
     return tuple(out)
 
 
+SYNTHETIC_REQUESTS = 3000
+"""Requests generated for ``--trace synthetic:NAME`` when ``--max-requests`` is not given."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``hpd sim``."""
     p = argparse.ArgumentParser(
         prog="hpd sim",
         description="Discrete-event simulation of a heterogeneous P/D cluster under a policy.",
     )
-    p.add_argument("--trace", default=None, help="Azure CSV or Mooncake JSONL trace")
+    p.add_argument(
+        "--trace",
+        default=None,
+        help="Azure CSV or Mooncake JSONL trace, or synthetic:NAME (long_prompts, "
+        "short_prompts, bursts, decode_heavy; 1 req/s before --rate-scale, "
+        f"{SYNTHETIC_REQUESTS} requests unless --max-requests)",
+    )
     p.add_argument("--cluster", default=None, help="cluster YAML (default: data/clusters)")
     p.add_argument(
         "--policy",
@@ -205,7 +217,12 @@ def _plot(
 
 
 def _load_inputs(args: argparse.Namespace) -> tuple[Trace, ClusterSpec]:
-    trace = load_trace(args.trace or default_trace_path())
+    source = str(args.trace or default_trace_path())
+    if source.startswith("synthetic:"):
+        n = args.max_requests or SYNTHETIC_REQUESTS
+        trace = synthetic_trace(source.partition(":")[2], n=n, seed=args.seed)
+    else:
+        trace = load_trace(source)
     if args.duration is not None or args.max_requests is not None:
         trace = reshape(trace, duration_s=args.duration, max_requests=args.max_requests)
     cluster = load_cluster(args.cluster)

@@ -298,10 +298,11 @@ def plot_heatmap(cells: Sequence[Cell], path: Path) -> bool:
     grid = [[math.nan] * len(workloads) for _ in clusters]
     for c in cells:
         grid[clusters.index(c.cluster)][workloads.index(c.workload)] = c.ratio(c.best_baseline)
-    fig, ax = plt.subplots(figsize=(1.6 * len(workloads) + 2.5, 0.6 * len(clusters) + 1.8))
+    fig, ax = plt.subplots(figsize=(1.5 * len(workloads) + 3.0, 0.55 * len(clusters) + 1.8))
     finite = [v for row in grid for v in row if math.isfinite(v)]
     lo, hi = min([*finite, 0.9]), max([*finite, 1.1])
-    im = ax.imshow(grid, cmap="RdYlGn", norm=TwoSlopeNorm(vcenter=1.0, vmin=lo, vmax=hi))
+    norm = TwoSlopeNorm(vcenter=1.0, vmin=lo, vmax=hi)
+    im = ax.imshow(grid, cmap="RdYlGn", norm=norm, aspect="auto")
     ax.set_xticks(range(len(workloads)), workloads, rotation=30, ha="right")
     ax.set_yticks(range(len(clusters)), clusters)
     for i, row in enumerate(grid):
