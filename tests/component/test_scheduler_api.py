@@ -483,3 +483,42 @@ async def test_health_serves_once_the_view_is_fresh(scheduler: SchedulerHandle) 
             break
         await asyncio.sleep(0.05)
     assert status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_queued_prefill_tokens_follow_reservations(scheduler: SchedulerHandle) -> None:
+    """A plan's prompt counts as queued prefill work on its prefill worker from the moment it
+    is reserved until its predicted first token, not until its outcome: a request decoding
+    for seconds no longer makes its prefill worker look backlogged."""
+    svc = scheduler.service
+    if svc is None:
+        pytest.skip("needs the in-process scheduler")
+    await hetero_fleet(scheduler)
+    plan = (await scheduler.stub.Schedule(sched("tq-1", prompt=3000), timeout=5)).plan
+    pw = plan.prefill_worker_id
+
+    def queued() -> int:
+        ws = svc.fleet().worker(pw)
+        assert ws is not None
+        return ws.live_tokens
+
+    assert svc.reserved(pw).prefill_tokens == 3000
+    assert queued() == 3000
+    # past the predicted first token: still reserved, no longer queued
+    await asyncio.sleep(plan.estimates.ttft_ms / 1000 + 0.05)
+    svc.rebuild()
+    assert svc.reserved(pw).prefill_tokens == 3000
+    assert queued() == 0
+    # the next Schedule sees the same without waiting for a rebuild
+    second = (await scheduler.stub.Schedule(sched("tq-2", prompt=1000), timeout=5)).plan
+    await asyncio.sleep(second.estimates.ttft_ms / 1000 + 0.05)
+    await scheduler.stub.Schedule(sched("tq-3", prompt=500), timeout=5)
+    assert svc.fleet().worker(second.prefill_worker_id).live_tokens in (0, 500)  # type: ignore[union-attr]
+    # the outcome releases the reservation without counting the tokens twice
+    for rid in ("tq-1", "tq-2", "tq-3"):
+        await scheduler.stub.ReportOutcome(
+            s.ReportOutcomeRequest(request_id=rid, success=True), timeout=5
+        )
+    assert svc.reserved(pw).prefill_tokens == 0
+    assert queued() == 0
+    svc.rebuild()
+    assert queued() == 0

@@ -98,6 +98,7 @@ from hpd_scheduler.policy import (
 )
 from hpd_scheduler.policy.fleet import PromptMix, WorkerState
 from hpd_scheduler.policy.prefix import PrefixIndex
+from hpd_scheduler.prefill_due import PrefillDue
 from hpd_scheduler.records import as_recompute, head_of, request_digest
 from hpd_scheduler.registry_client import DirectiveSender, GrpcDirectiveSender
 from hpd_scheduler.store import (
@@ -420,6 +421,9 @@ class SchedulerService:
         self.prefix = PrefixIndex()
         self.kv_events = KvEventFollower(client, RegistryKeys(settings.key_prefix), self.prefix)
         self.prompt_mix = PromptMix()
+        # this replica's reserved prompt tokens still waiting to be prefilled (token-true
+        # prefill queues: a reservation lasts until the outcome, a prefill does not)
+        self.prefill_due = PrefillDue()
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -518,8 +522,11 @@ class SchedulerService:
             prefix=prefix.entries,
             prefix_heads=prefix.heads,
         )
+        due = self.prefill_due
+        due.expire(self.clock.now_ms())
         for wid, t in self._totals.items():
-            fleet.reserve(wid, t.kv_bytes, t.prefill_tokens, t.requests)
+            queued = max(0, t.prefill_tokens - due.done_tokens(wid))
+            fleet.reserve(wid, t.kv_bytes, queued, t.requests)
         self._fleet = fleet
         metrics.FLEET_REBUILD_SECONDS.observe(time.perf_counter() - start)
         metrics.FLEET_WORKERS.set(len(views))
@@ -639,6 +646,8 @@ class SchedulerService:
             raise InvalidArgument(exc.field, exc.message) from None
         self.prompt_mix.observe(req.prompt_tokens)
         fleet = self.fleet()
+        for wid, tokens in self.prefill_due.expire(self.clock.now_ms()).items():
+            fleet.release(wid, prefill_tokens=tokens, requests=0)  # presumed prefilled
         resynced = False
         for attempt in range(s.max_plan_attempts):
             now_ms = self.clock.now_ms()
@@ -715,6 +724,14 @@ class SchedulerService:
                 continue
             metrics.DECISIONS.labels(decision=decision.kind.value, mode=plan.mode.value).inc()
             self._queue_explanation(req.request_id, decision)
+            # its prompt counts as queued prefill work until its predicted first token
+            self.prefill_due.add(
+                req.request_id,
+                plan.prefill_worker_id,
+                plan.prefill_tokens,
+                now_ms + int(plan.estimates.ttft_ms),
+                now_ms + s.reservation_ttl_ms,
+            )
             return ScheduleResult(head, False)
         # every attempt found its decode worker full: refused, and recorded as refused like
         # any other reject (a refused request always has its REJECT record)
@@ -934,6 +951,11 @@ class SchedulerService:
                     pw,
                     Totals(old.kv_bytes, old.requests, max(0, old.prefill_tokens - tokens)),
                 )
+            was_done = self.prefill_due.release(request_id)
+            if was_done is not None and self._fleet is not None:
+                # the snapshot stopped counting these tokens at their predicted prefill end;
+                # the release above took them off again
+                self._fleet.reserve(was_done[0], prefill_tokens=was_done[1], requests=0)
         metrics.OUTCOMES.labels(success=str(bool(outcome.get("success"))).lower()).inc()
         if res.first_report and plan:
             obs = observation_from(plan, outcome)

@@ -1,0 +1,97 @@
+"""Token-true prefill queues: which of this replica's reserved prompt tokens are still waiting
+to be prefilled.
+
+A reservation holds its prompt's tokens against the worker that prefills it until the
+request's outcome is reported, which comes when the whole request ends: a request that
+finished its prefill seconds ago and is now decoding still counted as queued prefill work,
+so a prefill worker with many requests in flight looked backlogged by all of their prompts
+(and, with conditional disaggregation, decode workers would take prefills they should not).
+Nothing tells the scheduler the moment a prefill ends, but it predicted it: each plan's
+estimates carry the prefill wait and time. A plan's tokens count as queued until that
+predicted end (``due``); after it the engine's own load report (its queue of waiting
+requests, priced at the traffic's mean prompt) covers a prefill that runs late, so the two
+never count the same work for long. The tokens stop counting at once when the outcome
+releases the reservation, and are forgotten when the reservation's TTL lapses (``drop``).
+
+Only this replica's own plans are tracked: other replicas' reservations come as totals
+without timing and count in full, as before. Pure and synchronous; times in ms of the
+service's clock.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+__all__ = ["PrefillDue"]
+
+
+@dataclass(slots=True)
+class _Entry:
+    worker_id: str
+    tokens: int
+    drop_ms: int
+    done: bool = False
+
+
+class PrefillDue:
+    """Own plans' prefill tokens by predicted end (module docstring)."""
+
+    __slots__ = ("_done", "_entries", "_heap")
+
+    def __init__(self) -> None:
+        self._entries: dict[str, _Entry] = {}
+        # (time, request id, phase): phase 0 = predicted prefill end, 1 = reservation lapse
+        self._heap: list[tuple[int, str, int]] = []
+        self._done: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add(self, request_id: str, worker_id: str, tokens: int, due_ms: int, drop_ms: int) -> None:
+        """Track a new reservation's ``tokens`` on ``worker_id`` until ``due_ms``."""
+        if tokens <= 0 or request_id in self._entries:
+            return
+        self._entries[request_id] = _Entry(worker_id, tokens, max(drop_ms, due_ms))
+        heapq.heappush(self._heap, (due_ms, request_id, 0))
+
+    def expire(self, now_ms: int) -> dict[str, int]:
+        """Advance to ``now_ms``: returns, per worker, the tokens newly presumed prefilled."""
+        out: dict[str, int] = {}
+        heap = self._heap
+        while heap and heap[0][0] <= now_ms:
+            _, rid, phase = heapq.heappop(heap)
+            e = self._entries.get(rid)
+            if e is None:
+                continue  # released meanwhile
+            if phase == 0 and not e.done:
+                e.done = True
+                self._done[e.worker_id] = self._done.get(e.worker_id, 0) + e.tokens
+                out[e.worker_id] = out.get(e.worker_id, 0) + e.tokens
+                heapq.heappush(heap, (e.drop_ms, rid, 1))
+            elif phase == 1:
+                self._forget(rid, e)
+        return out
+
+    def release(self, request_id: str) -> tuple[str, int] | None:
+        """The outcome released the reservation: forget it. Returns ``(worker, tokens)`` when
+        they had already been presumed prefilled (and so no longer counted), else None."""
+        e = self._entries.get(request_id)
+        if e is None:
+            return None
+        was_done = e.done
+        self._forget(request_id, e)
+        return (e.worker_id, e.tokens) if was_done else None
+
+    def done_tokens(self, worker_id: str) -> int:
+        """Reserved tokens on ``worker_id`` presumed prefilled already."""
+        return self._done.get(worker_id, 0)
+
+    def _forget(self, request_id: str, e: _Entry) -> None:
+        del self._entries[request_id]
+        if e.done:
+            left = self._done.get(e.worker_id, 0) - e.tokens
+            if left > 0:
+                self._done[e.worker_id] = left
+            else:
+                self._done.pop(e.worker_id, None)
