@@ -47,6 +47,8 @@ ELSEWHERE = {
     "tests/e2e/test_up_auth.py runs these commands against `hpd up --auth`",
     ".venv/bin/hpd gateway --port 8000": "needs engines that speak HTTP: "
     "tests/real_engine/test_gateway.py runs the gateway in front of real vLLM engines",
+    ".venv/bin/python bench/goodput.py --suite": "minutes of simulation (a benchmark, not a "
+    "test): tests/unit/sim/test_suite.py runs one cell of the same matrix",
 }
 # run here against the demo; a block may be scaled down by appending flags (argparse keeps
 # the last value) or have paths moved out of the source tree

@@ -407,6 +407,7 @@ class SchedulerService:
         self._fleet: Fleet | None = None
         self._changed = asyncio.Event()
         self._totals: dict[str, Totals] = {}
+        self._applied: dict[str, Totals] = {}  # what the snapshot counts (_effective)
         self._batch_caps: dict[str, int] = {}
         self._explain_q: list[tuple[str, Decision]] = []
         self._explain_wake = asyncio.Event()
@@ -522,11 +523,12 @@ class SchedulerService:
             prefix=prefix.entries,
             prefix_heads=prefix.heads,
         )
-        due = self.prefill_due
-        due.expire(self.clock.now_ms())
-        for wid, t in self._totals.items():
-            queued = max(0, t.prefill_tokens - due.done_tokens(wid))
-            fleet.reserve(wid, t.kv_bytes, queued, t.requests)
+        self.prefill_due.expire(self.clock.now_ms())
+        applied: dict[str, Totals] = {}
+        for wid in self._totals:
+            t = applied[wid] = self._effective(wid)
+            fleet.reserve(wid, t.kv_bytes, t.prefill_tokens, t.requests)
+        self._applied = applied
         self._fleet = fleet
         metrics.FLEET_REBUILD_SECONDS.observe(time.perf_counter() - start)
         metrics.FLEET_WORKERS.set(len(views))
@@ -560,9 +562,31 @@ class SchedulerService:
             self._totals.pop(worker_id, None)
         else:
             self._totals[worker_id] = new
+        self._apply(worker_id)
+
+    def _effective(self, worker_id: str) -> Totals:
+        """What the snapshot counts against a worker: the mirrored totals, less the prompt
+        tokens of this replica's plans presumed prefilled already (``prefill_due``)."""
+        t = self._totals.get(worker_id, _ZERO)
+        done = self.prefill_due.done_tokens(worker_id)
+        if not done:
+            return t
+        return Totals(t.kv_bytes, t.requests, max(0, t.prefill_tokens - done))
+
+    def _apply(self, worker_id: str) -> None:
+        """Bring the snapshot's count for a worker to its effective totals (by difference
+        from what was applied last, so provisional reservations in flight stay counted)."""
         fleet = self._fleet
         if fleet is None:
             return
+        new = self._effective(worker_id)
+        old = self._applied.get(worker_id, _ZERO)
+        if new == old:
+            return
+        if new == _ZERO:
+            self._applied.pop(worker_id, None)
+        else:
+            self._applied[worker_id] = new
         dk = new.kv_bytes - old.kv_bytes
         dn = new.requests - old.requests
         dt = new.prefill_tokens - old.prefill_tokens
@@ -646,8 +670,8 @@ class SchedulerService:
             raise InvalidArgument(exc.field, exc.message) from None
         self.prompt_mix.observe(req.prompt_tokens)
         fleet = self.fleet()
-        for wid, tokens in self.prefill_due.expire(self.clock.now_ms()).items():
-            fleet.release(wid, prefill_tokens=tokens, requests=0)  # presumed prefilled
+        for wid in self.prefill_due.expire(self.clock.now_ms()):
+            self._apply(wid)  # its plans presumed prefilled by now stop counting as queued
         resynced = False
         for attempt in range(s.max_plan_attempts):
             now_ms = self.clock.now_ms()
@@ -936,6 +960,9 @@ class SchedulerService:
             pw = str(plan.get("prefill_worker_id", ""))
             kv = int(plan.get("reserved_kv_bytes") or 0)
             tokens = int(plan.get("prefill_tokens") or 0)
+            # forgotten first, so the totals' release below leaves the snapshot's count of
+            # queued tokens right whether or not they were presumed prefilled already
+            self.prefill_due.release(request_id)
             old = self.reserved(dw)
             self._set_totals(
                 dw,
@@ -951,11 +978,8 @@ class SchedulerService:
                     pw,
                     Totals(old.kv_bytes, old.requests, max(0, old.prefill_tokens - tokens)),
                 )
-            was_done = self.prefill_due.release(request_id)
-            if was_done is not None and self._fleet is not None:
-                # the snapshot stopped counting these tokens at their predicted prefill end;
-                # the release above took them off again
-                self._fleet.reserve(was_done[0], prefill_tokens=was_done[1], requests=0)
+            self._apply(pw)
+            self._apply(dw)
         metrics.OUTCOMES.labels(success=str(bool(outcome.get("success"))).lower()).inc()
         if res.first_report and plan:
             obs = observation_from(plan, outcome)
