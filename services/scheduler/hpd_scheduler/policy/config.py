@@ -139,6 +139,15 @@ class SloObjective:
     ``q = (1 - s) x weighted score + s x T / (T + ttft_est)``, ``T`` the tier's
     TTFT target, so of two options that both keep their SLOs the one leaving more headroom
     for the next burst is preferred (0: the weighted factors alone).
+    ``conditional``: every decode worker also offers its own prefill (RECOMPUTE, or SAME_POOL
+    on a worker serving both stages), not only where the seed rule would recompute, and the
+    estimates above choose between it and a transfer; such an option's TPOT estimate adds
+    the stall its prefill puts on a non-empty running batch, ``(queued local prefill +
+    this prefill) / expected output tokens``.
+    ``admit_ttft_factor`` ``a`` (0: off): refuse a request (SATURATED,
+    ``ttft_over_admission_limit``) when no option has ``ttft_est <= a x tier.ttft_ms``, except
+    an option whose own work (prefill, hand-off) is at least half its estimate, i.e. a prompt
+    too long for the target that waits no longer than it works.
     Absent (the seed and the baselines): options are ranked by the weighted score alone."""
 
     ttft_fraction: float = 1.0

@@ -17,7 +17,11 @@ Stages of :meth:`Planner.plan`:
      would send work to idle decode GPUs and stall their running batches: recompute costs
      the decode side compute, a transfer does not.)
    * ``joint``: every prefill x decode pair of the two top-k lists, plus a local option on a
-     decode worker when it serves both stages (SAME_POOL) or some pair must recompute.
+     decode worker when it serves both stages (SAME_POOL) or some pair must recompute; with
+     the SLO objective's ``conditional`` (the default profile) on every decode worker, and
+     the whole-path estimates below choose between disaggregated and local serving
+     (conditional disaggregation; a local prefill's TPOT estimate counts its stall on the
+     running batch).
      Pair score = ``w_P x P(p, link) + w_D x D(d, link)``, side weights by resource need
      (prefill-heavy requests weigh the prefill side more);
    * ``independent`` (seed and the baselines): prefill ranked alone (link unknown: the
@@ -27,7 +31,10 @@ Stages of :meth:`Planner.plan`:
      then get the whole-path TTFT (+ the decode worker's admission wait) and are ranked by
      the SLO targets they are predicted to keep before the weighted factors;
 
-6. drop options above the tier's hard TTFT limit; rank the rest with the picker; apply the
+6. drop options above the tier's hard TTFT limit; with the SLO objective's
+   ``admit_ttft_factor``, refuse the request when every option is predicted past that
+   multiple of the tier's TTFT target (admission past capacity); rank the rest with the
+   picker; apply the
    ladder: throttle (refuse tiers that may be throttled, with a retry delay), lower the
    batch cap (recorded; the service turns it into max-batch-size directives with
    ``balance.adapt_batch_size``), fall back to a shared pool (SAME_POOL options first,
@@ -545,7 +552,8 @@ class Planner:
             missing = prompt - d.cached_tokens
             recompute_ms = d.run_ms  # the decode worker's own prefill time for the prompt
             # a worker serving both stages always offers SAME_POOL; a decode-only worker
-            # recomputes only when some pair's KV cannot reach it faster (seed rule)
+            # recomputes when some pair's KV cannot reach it faster (seed rule), or always
+            # under conditional disaggregation, where the SLO objective decides
             need_local = colocated or dws.view.stage is Stage.BOTH or not pcands or local_always
             if not colocated:
                 for p, pws, bpt, ahead in sources:
