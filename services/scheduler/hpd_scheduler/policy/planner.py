@@ -34,8 +34,7 @@ Stages of :meth:`Planner.plan`:
 6. drop options above the tier's hard TTFT limit; with the SLO objective's
    ``admit_ttft_factor``, refuse the request when every option is predicted past that
    multiple of the tier's TTFT target (admission past capacity); rank the rest with the
-   picker; apply the
-   ladder: throttle (refuse tiers that may be throttled, with a retry delay), lower the
+   picker; apply the ladder: throttle (refuse tiers that may be throttled, with a retry delay), lower the
    batch cap (recorded; the service turns it into max-batch-size directives with
    ``balance.adapt_batch_size``), fall back to a shared pool (SAME_POOL options first,
    decision REROUTE), shed (refuse the lowest sheddable tier); build the fallback chain.
