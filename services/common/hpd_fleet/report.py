@@ -231,6 +231,13 @@ def narrative(report: Mapping[str, Any]) -> str:
     rejects = o.get("rejects") or {}
     if rejects:
         out.append(f"Refusals by reason: {_counts(rejects)}.")
+        if rejects.get("saturated"):
+            out.append(
+                "The saturated ones are admission at work: past the fleet's capacity the"
+                " scheduler refuses a request it predicts would miss its tier's TTFT target"
+                " (a gateway answers 429 with Retry-After), so the requests it admits keep"
+                " theirs."
+            )
     for f in report.get("faults") or ():
         if str(f).startswith("Redis stopped") and rejects.get("no_capable_worker"):
             lease = report.get("lease_ttl_ms")
