@@ -233,10 +233,10 @@ def narrative(report: Mapping[str, Any]) -> str:
         out.append(f"Refusals by reason: {_counts(rejects)}.")
         if rejects.get("saturated"):
             out.append(
-                "The saturated ones are admission at work: past the fleet's capacity the"
-                " scheduler refuses a request it predicts would miss its tier's TTFT target"
-                " (a gateway answers 429 with Retry-After), so the requests it admits keep"
-                " theirs."
+                "Saturated refusals mean the fleet was past its capacity: the scheduler"
+                " refuses a request it predicts would miss its tier's TTFT target, or one no"
+                " decode worker has room for (a gateway answers 429 with Retry-After), so"
+                " the requests it admits keep their targets."
             )
     for f in report.get("faults") or ():
         if str(f).startswith("Redis stopped") and rejects.get("no_capable_worker"):
