@@ -34,10 +34,11 @@ Stages of :meth:`Planner.plan`:
 6. drop options above the tier's hard TTFT limit; with the SLO objective's
    ``admit_ttft_factor``, refuse the request when every option is predicted past that
    multiple of the tier's TTFT target (admission past capacity); rank the rest with the
-   picker; apply the ladder: throttle (refuse tiers that may be throttled, with a retry delay), lower the
-   batch cap (recorded; the service turns it into max-batch-size directives with
-   ``balance.adapt_batch_size``), fall back to a shared pool (SAME_POOL options first,
-   decision REROUTE), shed (refuse the lowest sheddable tier); build the fallback chain.
+   picker; apply the ladder: throttle (refuse tiers that may be throttled, with a retry
+   delay), lower the batch cap (recorded; the service turns it into max-batch-size
+   directives with ``balance.adapt_batch_size``), fall back to a shared pool (SAME_POOL
+   options first, decision REROUTE), shed (refuse the lowest sheddable tier); build the
+   fallback chain.
 
 Work per request is O(k^2) scoring plus an O(k) walk of a sorted order: independent of fleet
 size up to the scan bound.
@@ -262,21 +263,11 @@ class Planner:
         if self._pp or self._dp:
             record.explain = lambda o: self.pair_factors(o, ctx)
 
+        # TTFT limits: the tier's hard one, then admission past capacity
+        limits: list[tuple[str, str, float, Callable[[Option], bool]]] = []
         hard = tier.hard_ttft_ms
         if hard is not None:
-            ok = [o for o in options if o.ttft_ms <= hard]
-            if not ok:
-                record.notes.append(f"all_options_exceed_hard_ttft_ms:{hard:g}")
-                return self._reject(
-                    request,
-                    need,
-                    _REJECT_SATURATED,
-                    ("exceeds_hard_ttft",),
-                    RejectClass.SATURATED,
-                    self._retry_ms(tier),
-                    record,
-                )
-            options = ok
+            limits.append(("hard", "exceeds_hard_ttft", hard, lambda o: o.ttft_ms <= hard))
         slo = prof.slo_objective
         if slo is not None and slo.admit_ttft_factor > 0:
             # admission: when every option's predicted TTFT exceeds factor x the tier's
@@ -285,14 +276,23 @@ class Planner:
             # that can still make theirs. A prompt too long to meet the target even on an idle
             # worker is served while its wait is no longer than its own prefill and hand-off.
             limit = tier.ttft_ms * slo.admit_ttft_factor
-            ok = [o for o in options if o.ttft_ms <= limit or o.ttft_ms <= 2.0 * _own_ms(o)]
+            limits.append(
+                (
+                    "admission",
+                    "ttft_over_admission_limit",
+                    limit,
+                    lambda o: o.ttft_ms <= limit or o.ttft_ms <= 2.0 * _own_ms(o),
+                )
+            )
+        for kind_of, reason, bound, keep in limits:
+            ok = [o for o in options if keep(o)]
             if not ok:
-                record.notes.append(f"all_options_exceed_admission_ttft_ms:{limit:g}")
+                record.notes.append(f"all_options_exceed_{kind_of}_ttft_ms:{bound:g}")
                 return self._reject(
                     request,
                     need,
                     _REJECT_SATURATED,
-                    ("ttft_over_admission_limit",),
+                    (reason,),
                     RejectClass.SATURATED,
                     self._retry_ms(tier),
                     record,
