@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
@@ -185,8 +186,6 @@ def run_cell(
     as ``seconds`` of arrivals at the fluid bound's rate (at least 400 requests, at most
     ``max_requests``): a goodput measured on a trace that ends before the queues of an
     overloaded fleet have built up would be a transient, not a rate the fleet sustains."""
-    import time
-
     t0 = time.perf_counter()
     spec = load_cluster(cluster_path(cluster))
     w = next(x for x in WORKLOADS if x.name == workload)
