@@ -229,7 +229,14 @@ async def test_an_agent_relays_its_engines_kv_events_into_the_schedulers_index(
         held = svc.prefix.held("pfx-agent")
         assert held is not None and all(k in held for k in CHAIN[:4])
         assert svc.prefix.block_tokens("pfx-agent") == 128
-        assert agent.kv_relay is not None and agent.kv_relay.reported >= 1
+        # the scheduler can read the registry's stream before the agent's RPC reply lands
+        relay = agent.kv_relay
+        assert relay is not None
+        for _ in range(100):
+            if relay.reported >= 1:
+                break
+            await asyncio.sleep(0.02)
+        assert relay.reported >= 1
     finally:
         agent.stop()
         await asyncio.wait_for(task, 10)
