@@ -26,6 +26,7 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -106,12 +107,18 @@ class EmbeddedRedis:
     """Start with `start()` (or as a context manager); `url` then points at it."""
 
     def __init__(
-        self, state_dir: Path, port: int = 0, persist: bool = True, die_with_owner: bool = True
+        self,
+        state_dir: Path,
+        port: int = 0,
+        persist: bool = True,
+        die_with_owner: bool = True,
+        extra_args: Sequence[str] = (),
     ) -> None:
         self.state_dir = Path(state_dir)
         self.port = port or free_port()
         self.persist = persist
         self.die_with_owner = die_with_owner
+        self.extra_args = tuple(extra_args)  # more redis-server options, e.g. --replicaof
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -152,9 +159,8 @@ class EmbeddedRedis:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        args = [
+    def _args(self) -> list[str]:
+        return [
             redis_server_binary(),
             "--port", str(self.port),
             "--bind", "127.0.0.1",
@@ -165,7 +171,13 @@ class EmbeddedRedis:
             "--logfile", str(self.state_dir / "redis.log"),
             "--appendonly", "yes" if self.persist else "no",
             "--appendfsync", "everysec",
+            "--repl-diskless-sync-delay", "0",  # a replica that connects syncs at once
+            *self.extra_args,
         ]  # fmt: skip
+
+    def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        args = self._args()
         self._take_over_orphan()
         self._proc = subprocess.Popen(
             args,
@@ -237,3 +249,41 @@ class EmbeddedRedis:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+class EmbeddedSentinel(EmbeddedRedis):
+    """A `redis-server --sentinel` watching the primary at 127.0.0.1:``primary_port`` as
+    Sentinel service ``service`` (quorum 1: a single sentinel may decide, which suits a
+    test or a laptop, not a production quorum). ``down_after_ms`` is how long the primary
+    must be silent before a failover starts."""
+
+    def __init__(
+        self,
+        state_dir: Path,
+        primary_port: int,
+        service: str = "hpd",
+        down_after_ms: int = 1000,
+        failover_timeout_ms: int = 5000,
+    ) -> None:
+        super().__init__(state_dir, persist=False)
+        self.primary_port = primary_port
+        self.service = service
+        self.down_after_ms = down_after_ms
+        self.failover_timeout_ms = failover_timeout_ms
+
+    def _args(self) -> list[str]:
+        conf = self.state_dir / "sentinel.conf"  # sentinel rewrites it as it learns
+        s = self.service
+        conf.write_text(
+            f"port {self.port}\nbind 127.0.0.1\ndaemonize no\n"
+            f"logfile {self.state_dir / 'sentinel.log'}\n"
+            f"sentinel monitor {s} 127.0.0.1 {self.primary_port} 1\n"
+            f"sentinel down-after-milliseconds {s} {self.down_after_ms}\n"
+            f"sentinel failover-timeout {s} {self.failover_timeout_ms}\n"
+            f"sentinel parallel-syncs {s} 1\n"
+        )
+        return [redis_server_binary(), str(conf), "--sentinel"]
+
+    @property
+    def url(self) -> str:
+        return f"redis+sentinel://127.0.0.1:{self.port}/{self.service}"

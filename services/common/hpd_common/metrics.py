@@ -14,6 +14,10 @@ RPC_ERRORS = Counter(
     "hpd_rpc_errors_total", "RPCs that ended with a non-OK status.", ["method", "code"]
 )
 REDIS_UP = Gauge("hpd_redis_up", "1 while the state store answers pings.", ["service"])
+REDIS_UNREPLICATED = Counter(
+    "hpd_redis_unreplicated_writes_total",
+    "Script calls acknowledged with fewer replicas than wait_replicas connected (see redis_conn).",
+)
 
 _started: set[int] = set()
 

@@ -1,20 +1,48 @@
-"""The Redis client every service uses: bounded timeouts, retries, a health probe.
+"""The Redis client every service uses: bounded timeouts, retries, a health probe,
+Sentinel failover and acknowledged replication.
 
 Timeouts are short on purpose: when Redis is away an RPC must answer UNAVAILABLE
 well before a client's deadline, never hang (the store turns redis-py's
 ConnectionError / TimeoutError into `errors.Unavailable`, or `hpd_common.rpc`
 does at the edge).
+
+URLs (`redis_url` of every service, `hpd up --redis-url`):
+
+- ``redis://[[user]:password@]host:port/db`` (``rediss://`` for TLS): one server;
+- ``redis+sentinel://[[user]:password@]host:port[,host:port...]/service[/db]``
+  (``rediss+sentinel://``): the primary of Sentinel service ``service``, found by asking
+  the listed sentinels (redis-py's Sentinel client). A connection that breaks or finds a
+  demoted primary asks the sentinels again, so a failover costs the calls in flight an
+  UNAVAILABLE (retryable) and nothing else. The password is the data nodes'; sentinels are
+  asked without one.
+
+Either takes ``?wait_replicas=N&wait_timeout_ms=T`` (default N=0: not used; T=250, under 80% of the
+client's 1 s socket timeout). Then every
+script call (every state change of every service is one script) is followed, on the same
+connection and in the same round trip, by ``WAIT N T``: the call returns only once N
+replicas hold the write, so a write that was acknowledged survives the primary's death
+and a failover to a replica. When fewer than N acknowledge in T ms and fewer than N are
+connected at all (a primary that lost its replica, or a new primary whose old one has not
+rejoined), the write is acknowledged unreplicated, counted in
+``hpd_redis_unreplicated_writes_total`` and logged, and ``WAIT`` is skipped for the next
+second (asynchronous replication, as Redis itself runs, until a replica is back); when N
+are connected but lag, the call fails UNAVAILABLE (the write may exist: every script is
+idempotent under a retry with the same arguments).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
+from urllib.parse import parse_qs, unquote, urlencode, urlsplit, urlunsplit
 
 import hiredis
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import (
@@ -29,6 +57,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from hpd_common import metrics
 from hpd_common.aio import cancel_and_wait
+from hpd_common.errors import InvalidArgument
 from hpd_common.logging import get_logger
 
 log = get_logger("redis")
@@ -91,6 +120,13 @@ class _ScriptRefusals:
                 message = str(exc)
                 for marker, kind in _REFUSALS:
                     if marker in message:
+                        pool = getattr(self, "connection_pool", None)
+                        if kind is ReadOnlyError and getattr(pool, "is_master", False):
+                            # a Sentinel-managed connection still on a demoted primary:
+                            # drop it, so the next call asks the sentinels (as redis-py
+                            # does for a plain READONLY reply)
+                            await self.disconnect()  # type: ignore[attr-defined]
+                            raise RedisConnectionError("the primary was demoted") from None
                         raise kind(message) from None
             raise
 
@@ -112,20 +148,164 @@ def with_c_packer(client: aioredis.Redis) -> aioredis.Redis:
     return client
 
 
-def connect(url: str, *, timeout_s: float = 1.0, max_connections: int = 64) -> aioredis.Redis:
-    """An asyncio client; commands retry once on a dropped connection."""
-    return with_c_packer(
-        aioredis.Redis.from_url(
-            url,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            retry=Retry(ExponentialBackoff(cap=0.1, base=0.01), retries=1),
-            retry_on_error=[RedisConnectionError, RedisTimeoutError],
-            max_connections=max_connections,
-            decode_responses=False,
-            health_check_interval=5,
+class NotReplicated(RedisConnectionError):  # type: ignore[misc]
+    """Fewer replicas than asked for held a write within the wait bound while enough were
+    connected: the caller's RPC answers UNAVAILABLE (in `STORE_DOWN` as a ConnectionError)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RedisTarget:
+    """A parsed `redis_url`: what `connect` dials and how writes are acknowledged."""
+
+    url: str  # the single-server URL without our query parameters ("" for Sentinel)
+    sentinels: tuple[tuple[str, int], ...] = ()
+    service: str = ""
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+    ssl: bool = False
+    wait_replicas: int = 0
+    wait_timeout_ms: int = 250
+
+
+_OURS = ("wait_replicas", "wait_timeout_ms")
+
+
+def parse_url(url: str) -> RedisTarget:
+    """`url` as a `RedisTarget`; InvalidArgument naming ``redis_url`` when it is not one
+    (see the module docstring for the forms)."""
+    parts = urlsplit(url)
+    query = parse_qs(parts.query, keep_blank_values=True)
+    wait: dict[str, int] = {}
+    for name in _OURS:
+        if name in query:
+            try:
+                wait[name] = int(query.pop(name)[-1])
+            except ValueError:
+                raise InvalidArgument("redis_url", f"{name} must be an integer") from None
+            if wait[name] < 0:
+                raise InvalidArgument("redis_url", f"{name} must be >= 0")
+    replicas, wait_ms = wait.get("wait_replicas", 0), wait.get("wait_timeout_ms", 250)
+    rest = urlencode(query, doseq=True)
+    if parts.scheme in ("redis", "rediss", "unix"):
+        plain = urlunsplit((parts.scheme, parts.netloc, parts.path, rest, parts.fragment))
+        return RedisTarget(url=plain, wait_replicas=replicas, wait_timeout_ms=wait_ms)
+    if parts.scheme not in ("redis+sentinel", "rediss+sentinel"):
+        raise InvalidArgument(
+            "redis_url", f"scheme {parts.scheme!r}: use redis://, rediss:// or redis+sentinel://"
         )
+    creds, _, hosts = parts.netloc.rpartition("@")
+    user, _, password = creds.partition(":")
+    sentinels: list[tuple[str, int]] = []
+    for item in hosts.split(","):
+        host, _, port = item.strip().rpartition(":")
+        if not host or not port.isdigit():
+            raise InvalidArgument("redis_url", f"sentinel {item!r} is not host:port")
+        sentinels.append((host.strip("[]"), int(port)))
+    path = [p for p in parts.path.split("/") if p]
+    if not path or len(path) > 2 or (len(path) == 2 and not path[1].isdigit()):
+        raise InvalidArgument("redis_url", "a Sentinel URL ends in /<service>[/<db>]")
+    if rest:
+        raise InvalidArgument("redis_url", f"unknown Sentinel URL parameter(s): {rest}")
+    return RedisTarget(
+        url="",
+        sentinels=tuple(sentinels),
+        service=unquote(path[0]),
+        db=int(path[1]) if len(path) == 2 else 0,
+        username=unquote(user) or None,
+        password=unquote(password) or None,
+        ssl=parts.scheme.startswith("rediss"),
+        wait_replicas=replicas,
+        wait_timeout_ms=wait_ms,
     )
+
+
+class HpdRedis(aioredis.Redis):  # type: ignore[misc]
+    """redis-py's asyncio client whose script calls wait for replicas (``wait_replicas``)."""
+
+    wait_replicas: int = 0
+    wait_timeout_ms: int = 250
+    _async_until: float = 0.0
+
+    def evalsha(self, sha: Any, numkeys: int, *keys_and_args: Any) -> Any:
+        if self.wait_replicas <= 0 or time.monotonic() < self._async_until:
+            return super().evalsha(sha, numkeys, *keys_and_args)
+        return self._evalsha_acked(sha, numkeys, keys_and_args)
+
+    async def _evalsha_acked(self, sha: Any, numkeys: int, keys_and_args: tuple[Any, ...]) -> Any:
+        async with self.pipeline(transaction=False) as pipe:
+            pipe.execute_command("EVALSHA", sha, numkeys, *keys_and_args)
+            pipe.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms)
+            result, acked = await pipe.execute()
+        if int(acked) >= self.wait_replicas:
+            return result
+        info = await self.info("replication")
+        connected = int(info.get("connected_slaves", 0))
+        if connected >= self.wait_replicas:
+            raise NotReplicated(
+                f"{acked} of {self.wait_replicas} replica(s) held the write within "
+                f"{self.wait_timeout_ms} ms"
+            )
+        now = time.monotonic()
+        self._async_until = now + 1.0
+        metrics.REDIS_UNREPLICATED.inc()
+        global _unreplicated_since_log, _unreplicated_logged_at
+        _unreplicated_since_log += 1
+        if now - _unreplicated_logged_at >= 5.0:  # one line per 5 s, however many clients
+            log.warning(
+                "redis_write_unreplicated",
+                connected_replicas=connected,
+                wait_replicas=self.wait_replicas,
+                writes=_unreplicated_since_log,
+            )
+            _unreplicated_since_log, _unreplicated_logged_at = 0, now
+        return result
+
+
+_unreplicated_since_log = 0
+_unreplicated_logged_at = -1e9
+
+
+def connect(url: str, *, timeout_s: float = 1.0, max_connections: int = 64) -> HpdRedis:
+    """An asyncio client for ``url`` (a server or a Sentinel service, see the module
+    docstring); commands retry once on a dropped connection."""
+    target = parse_url(url)
+    if target.wait_replicas and target.wait_timeout_ms >= timeout_s * 1000 * 0.8:
+        raise InvalidArgument(
+            "redis_url",
+            f"wait_timeout_ms must stay under the client's {timeout_s * 1000 * 0.8:.0f} ms "
+            "(80% of its socket timeout): a WAIT that outlasts it reads as Redis down",
+        )
+    options: dict[str, Any] = {
+        "socket_timeout": timeout_s,
+        "socket_connect_timeout": timeout_s,
+        "retry": Retry(ExponentialBackoff(cap=0.1, base=0.01), retries=1),
+        "retry_on_error": [RedisConnectionError, RedisTimeoutError],
+        "max_connections": max_connections,
+        "decode_responses": False,
+        "health_check_interval": 5,
+    }
+    client: HpdRedis
+    if target.sentinels:
+        sentinel = Sentinel(
+            list(target.sentinels),
+            sentinel_kwargs={"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s},
+        )
+        client = sentinel.master_for(
+            target.service,
+            redis_class=HpdRedis,
+            db=target.db,
+            username=target.username,
+            password=target.password,
+            ssl=target.ssl,
+            **options,
+        )
+    else:
+        client = HpdRedis.from_url(target.url, **options)
+    client.wait_replicas = target.wait_replicas
+    client.wait_timeout_ms = target.wait_timeout_ms
+    with_c_packer(client)
+    return client
 
 
 class RedisHealthProbe:
