@@ -6,6 +6,7 @@ and a worker registered with the worker token. Also the README's auth block (it 
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import subprocess
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import redis
 
 from hetero_pd.v1 import common_pb2 as c
 from hetero_pd.v1 import registry_pb2 as r
@@ -87,6 +89,16 @@ def test_the_tokens_file_is_private_and_names_every_role(up: Up) -> None:
     tokens = {role: up.token(role) for role in ("operator", "gateway", "scheduler", "worker")}
     assert len(set(tokens.values())) == 4 and all(len(t) >= 32 for t in tokens.values())
     assert "auth on" in up.log.read_text()
+
+
+def test_the_embedded_redis_is_bounded_and_never_evicts(up: Up) -> None:
+    owner = json.loads((up.state / "redis" / "owner.json").read_text())
+    client = redis.Redis(port=int(owner["port"]))
+    try:
+        assert int(client.config_get("maxmemory")["maxmemory"]) == 2**30  # --redis-maxmemory
+        assert client.config_get("maxmemory-policy")["maxmemory-policy"] == "noeviction"
+    finally:
+        client.close()
 
 
 def test_operator_commands_need_an_operator(up: Up) -> None:

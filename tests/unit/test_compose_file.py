@@ -179,6 +179,15 @@ def test_redis_appends_to_a_named_volume(compose: dict[str, Any]) -> None:
     assert redis["restart"] in ("always", "unless-stopped")
 
 
+def test_redis_memory_is_bounded_and_never_evicts(compose: dict[str, Any]) -> None:
+    """Eviction would drop leases, reservations or sessions; the services refuse new work
+    before the bound instead (redis_memory_limit_ratio)."""
+    command = [str(part) for part in services(compose)["redis"]["command"]]
+    options = dict(zip(command[1::2], command[2::2], strict=True))
+    assert options["--maxmemory"] not in ("", "0")
+    assert options["--maxmemory-policy"] == "noeviction"
+
+
 def test_services_reach_redis_by_its_service_name(compose: dict[str, Any]) -> None:
     for name in HPD_SERVICES:
         svc = services(compose)[name]

@@ -14,6 +14,11 @@ RPC_ERRORS = Counter(
     "hpd_rpc_errors_total", "RPCs that ended with a non-OK status.", ["method", "code"]
 )
 REDIS_UP = Gauge("hpd_redis_up", "1 while the state store answers pings.", ["service"])
+REDIS_MEMORY_RATIO = Gauge(
+    "hpd_redis_memory_used_ratio",
+    "Redis used_memory / maxmemory at the last probe (0 when Redis has no maxmemory).",
+    ["service"],
+)
 REDIS_UNREPLICATED = Counter(
     "hpd_redis_unreplicated_writes_total",
     "Script calls acknowledged with fewer replicas than wait_replicas connected (see redis_conn).",

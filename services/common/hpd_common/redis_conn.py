@@ -57,7 +57,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from hpd_common import metrics
 from hpd_common.aio import cancel_and_wait
-from hpd_common.errors import InvalidArgument
+from hpd_common.errors import InvalidArgument, ResourceExhausted
 from hpd_common.logging import get_logger
 
 log = get_logger("redis")
@@ -226,6 +226,12 @@ class HpdRedis(aioredis.Redis):  # type: ignore[misc]
     wait_replicas: int = 0
     wait_timeout_ms: int = 250
     _async_until: float = 0.0
+    used_memory: int = 0  # bytes, as the health probe last read them (INFO memory)
+    maxmemory: int = 0  # 0: Redis has no limit
+
+    def memory_ratio(self) -> float:
+        """used_memory / maxmemory at the last probe (0.0 when Redis has no limit)."""
+        return self.used_memory / self.maxmemory if self.maxmemory > 0 else 0.0
 
     def evalsha(self, sha: Any, numkeys: int, *keys_and_args: Any) -> Any:
         if self.wait_replicas <= 0 or time.monotonic() < self._async_until:
@@ -308,8 +314,25 @@ def connect(url: str, *, timeout_s: float = 1.0, max_connections: int = 64) -> H
     return client
 
 
+def refuse_when_full(client: Any, limit_ratio: float, what: str) -> None:
+    """ResourceExhausted (RESOURCE_EXHAUSTED, retry in a second) when Redis's memory is at
+    or past ``limit_ratio`` of its ``maxmemory`` at the last probe: new ``what`` are refused
+    while Redis itself still takes every write, so heartbeats, outcomes and session progress
+    (which free or merely update state) go on and the store drains by its TTLs. Redis
+    without a limit, or ``limit_ratio`` 0, refuses nothing."""
+    ratio = client.memory_ratio() if isinstance(client, HpdRedis) else 0.0
+    if limit_ratio > 0 and ratio >= limit_ratio:
+        raise ResourceExhausted(
+            f"state store memory at {ratio:.0%} of maxmemory (limit {limit_ratio:.0%}): new "
+            f"{what} refused until it drains; raise Redis's maxmemory or shorten record TTLs",
+            retry_after_ms=1000,
+        )
+
+
 class RedisHealthProbe:
-    """Pings Redis every `interval_s`; calls `on_change(up)` when reachability flips."""
+    """Pings Redis every `interval_s`; calls `on_change(up)` when reachability flips.
+    About once a second it also reads Redis's memory (`INFO memory`) into the client
+    (`HpdRedis.used_memory` / `maxmemory`, the gauge `hpd_redis_memory_used_ratio`)."""
 
     def __init__(
         self,
@@ -324,11 +347,14 @@ class RedisHealthProbe:
         self._interval_s = interval_s
         self.up: bool | None = None
         self._task: asyncio.Task[None] | None = None
+        self._memory_read_at = -1e9
 
     async def check_once(self) -> bool:
         try:
             async with asyncio.timeout(max(self._interval_s, 0.5)):
                 await self._client.ping()
+                if time.monotonic() - self._memory_read_at >= 1.0:
+                    await self._read_memory()
             up = True
         except (RedisError, OSError, TimeoutError):
             up = False
@@ -338,6 +364,15 @@ class RedisHealthProbe:
             log.info("redis_reachability_changed", service=self._service, up=up)
             await self._on_change(up)
         return up
+
+    async def _read_memory(self) -> None:
+        self._memory_read_at = time.monotonic()
+        if not isinstance(self._client, HpdRedis):
+            return
+        info = await self._client.info("memory")
+        self._client.used_memory = int(info.get("used_memory", 0))
+        self._client.maxmemory = int(info.get("maxmemory", 0))
+        metrics.REDIS_MEMORY_RATIO.labels(service=self._service).set(self._client.memory_ratio())
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"redis-probe-{self._service}")

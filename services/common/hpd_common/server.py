@@ -46,7 +46,16 @@ class ServerSettings(CallSettings):
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = field(default=0, metadata={"help": "gRPC port (0 = any free port)"})
     metrics_port: int = field(default=0, metadata={"help": "Prometheus /metrics port (0 = off)"})
-    redis_url: str = field(default="", metadata={"help": "Redis URL, e.g. redis://host:6379/0"})
+    redis_url: str = field(
+        default="",
+        metadata={"help": "Redis URL: redis://host:6379/0, or redis+sentinel://s1:26379,"
+                  "s2:26379/<service>; ?wait_replicas=N makes each write wait for N replicas"},
+    )  # fmt: skip
+    redis_memory_limit_ratio: float = field(
+        default=0.9,
+        metadata={"help": "refuse new plans and KV sessions (RESOURCE_EXHAUSTED) once Redis "
+                  "uses this share of its maxmemory (0 = never; no maxmemory = never)"},
+    )  # fmt: skip
     tls_cert_file: str = field(
         default="", metadata={"help": "PEM server certificate (enables TLS)"}
     )

@@ -45,6 +45,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--redis-url", default="", help="use this Redis instead of an embedded one")
     p.add_argument("--state-dir", default=".hpd", help="embedded Redis data (AOF) directory")
     p.add_argument("--redis-port", type=int, default=0, help="embedded Redis port (0 = free port)")
+    p.add_argument(
+        "--redis-maxmemory",
+        default="1gb",
+        help="embedded Redis's maxmemory (policy noeviction); new plans and KV sessions are "
+        "refused at 90%% of it, before Redis refuses writes (README: sizing)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address the services listen on")
     p.add_argument("--registry-port", type=int, default=50051)
     p.add_argument("--scheduler-port", type=int, default=50052)
@@ -221,7 +227,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         asyncio.run(_serve(args, args.redis_url))
         return 0
     state = Path(args.state_dir).resolve() / "redis"
-    with EmbeddedRedis(state, port=args.redis_port, persist=True) as redis:
+    limits = ["--maxmemory", str(args.redis_maxmemory), "--maxmemory-policy", "noeviction"]
+    with EmbeddedRedis(state, port=args.redis_port, persist=True, extra_args=limits) as redis:
         print(f"hpd: embedded Redis on 127.0.0.1:{redis.port} (AOF in {state})", flush=True)
         asyncio.run(_serve(args, redis.url))
     return 0

@@ -49,6 +49,7 @@ from hpd_common.kvformat import (
     across_models,
 )
 from hpd_common.logging import get_logger
+from hpd_common.redis_conn import refuse_when_full
 from hpd_common.server import ServerSettings
 from hpd_common.settings import split_csv
 from hpd_kvbroker import metrics
@@ -416,6 +417,7 @@ class KvBrokerService:
         deadline = req.deadline_ms or self.settings.default_deadline_ms
         if deadline > self.settings.max_deadline_ms:
             raise InvalidArgument("deadline_ms", f"at most {self.settings.max_deadline_ms}")
+        refuse_when_full(self.client, self.settings.redis_memory_limit_ratio, "KV sessions")
         actor, cred = self._authenticate(caller, None)
         now = self.clock.now_ms()
         try:

@@ -14,7 +14,9 @@ once) stays inside one slot on Redis Cluster. `<p>` is the configurable prefix (
   head: plan JSON, also the idempotency key), `d` (decision), `x` (explanation JSON), `o`
   (outcome JSON);
 - `<p>:{sch}:idx` (zset): request id -> created-at (ms), the bounded index of recent
-  records;
+  records; a record pushed out of it past the cap (`record_index_cap`) is deleted too,
+  once it is older than the reservation TTL, so records take at most about
+  cap x record size (a few KB with its explanation) whatever the request rate.
 - `<p>:{sch}:dir:<worker>:<kind>` (string, TTL = directive repeat interval): the last
   directive value of that kind sent to the worker by any replica.
 

@@ -63,6 +63,7 @@ from hpd_common.errors import (
 )
 from hpd_common.informer import FleetChange, FleetInformer
 from hpd_common.logging import get_logger
+from hpd_common.redis_conn import refuse_when_full
 from hpd_common.server import ServerSettings
 from hpd_common.yamlsafe import YamlLimitError, load_bounded
 from hpd_registry.domain import Directive, DirectiveKind, WorkerRecord
@@ -159,7 +160,11 @@ class SchedulerSettings(ServerSettings):
         default=3_600_000, metadata={"help": "route records (and idempotency) are kept this long"}
     )
     record_index_cap: int = field(
-        default=100_000, metadata={"help": "most route records listed by ListRouteRecords"}
+        default=100_000,
+        metadata={
+            "help": "most route records kept: older ones are deleted (never one younger "
+            "than reservation_ttl_ms), so Redis holds at most about this many"
+        },
     )
     fleet_rebuild_interval_ms: int = field(
         default=20, metadata={"help": "fleet changes coalesce into one rebuild per interval"}
@@ -214,6 +219,8 @@ class SchedulerSettings(ServerSettings):
             )
         if not 0 < self.ewma_alpha <= 1:
             raise InvalidArgument("ewma_alpha", "must be in (0, 1]")
+        if not 0 <= self.redis_memory_limit_ratio < 1:
+            raise InvalidArgument("redis_memory_limit_ratio", "must be in [0, 1)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -661,6 +668,7 @@ class SchedulerService:
     async def schedule(self, req: Request) -> ScheduleResult:
         """Plan, reserve and record one request (module docstring)."""
         self._check_fresh()
+        refuse_when_full(self.client, self.settings.redis_memory_limit_ratio, "plans")
         s = self.settings
         pol = self._policy
         try:

@@ -101,7 +101,18 @@ redis.call('HSET', KEYS[4], 'p', ARGV[6], 'd', ARGV[7])
 redis.call('PEXPIRE', KEYS[4], ARGV[4])
 redis.call('ZADD', KEYS[5], now, rid)
 local over = redis.call('ZCARD', KEYS[5]) - tonumber(ARGV[5])
-if over > 0 then redis.call('ZREMRANGEBYRANK', KEYS[5], 0, over - 1) end
+if over > 0 then
+  -- the oldest records leave the index and the store together, so records are bounded by
+  -- the cap whatever the request rate; never one younger than a reservation's TTL (it is
+  -- the idempotency key of a plan that may still be retried). Same hash tag, same slot.
+  local base = string.sub(KEYS[4], 1, #KEYS[4] - #rid)
+  local old = redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', now - tonumber(ARGV[3]),
+    'LIMIT', 0, over)
+  for _, id in ipairs(old) do
+    redis.call('DEL', base .. id)
+    redis.call('ZREM', KEYS[5], id)
+  end
+end
 return {1, k, n, t}
 """
 )
