@@ -237,5 +237,35 @@ def test_up_tls_runs_the_whole_plane_on_mutual_tls_with_closed_reads(
                     time.sleep(0.1)
         assert plan is not None and plan.decode_worker_id == "tls-d", log.read_text()[-3000:]
         assert "informer_stream_broken" not in log.read_text()
+
+        # a role certificate is an identity: no token, and the role is the certificate's
+        def as_role(role: str) -> CallIdentity:
+            return CallIdentity(
+                ca_file=str(tls / "ca.pem"),
+                cert_file=str(tls / f"role-{role}.pem"),
+                key_file=str(tls / f"role-{role}.key"),
+            )
+
+        cordon = r.CordonWorkerRequest(worker_id="tls-d", reason="mTLS identity test")
+        with sync_channel(addrs[1], as_role("gateway")) as ch:
+            got = s_grpc.SchedulerServiceStub(ch).Schedule(
+                s.ScheduleRequest(request_id="tls-r2", model_id="llama-3-8b",
+                                  prompt_tokens=800, expected_output_tokens=40),
+                timeout=5,
+            )  # fmt: skip
+            assert got.plan.decode_worker_id == "tls-d"
+        for role, code in (
+            ("gateway", grpc.StatusCode.PERMISSION_DENIED),
+            ("worker", grpc.StatusCode.PERMISSION_DENIED),
+        ):
+            with sync_channel(addrs[0], as_role(role)) as ch, pytest.raises(grpc.RpcError) as e:
+                r_grpc.RegistryServiceStub(ch).CordonWorker(cordon, timeout=5)
+            assert e.value.code() == code and f"hpd-{role}-certificate" in str(e.value.details())
+        with sync_channel(addrs[0], bare) as ch, pytest.raises(grpc.RpcError) as e:
+            r_grpc.RegistryServiceStub(ch).CordonWorker(cordon, timeout=5)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED  # a certificate of no role
+        with sync_channel(addrs[0], as_role("operator")) as ch:
+            r_grpc.RegistryServiceStub(ch).CordonWorker(cordon, timeout=5)
+        assert "hpd-operator-certificate" in log.read_text()  # audited by name
     finally:
         stop(proc)

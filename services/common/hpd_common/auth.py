@@ -30,6 +30,13 @@ The tokens file (YAML), mode 0600 as any secret::
     tokens:
       - {name: alice, role: operator, token_sha256: 5e884898da28...}   # hash only
       - {name: gw-1, role: gateway, token: "s3cret-gateway-token"}   # or the token itself
+      - {name: gw-2, role: gateway, cert_name: gateway-2.prod}       # or an mTLS identity
+
+A ``cert_name`` entry makes a client certificate an identity: a call that carries no token
+over mutual TLS (the server has ``tls_client_ca_file``, so the certificate was verified
+against that CA) is the principal whose ``cert_name`` equals the certificate's common name
+or one of its DNS / URI subject alternative names. A token, when a call carries one,
+decides; certificates only identify where the server checks them.
 
 Unset, auth is off (development): every caller may do everything, and the services log
 ``auth_off`` at start. Callers present their token with :mod:`hpd_common.channels`.
@@ -172,16 +179,32 @@ def may_act_for_others() -> bool:
 
 
 class TokenBook:
-    """The tokens file: token hash -> principal."""
+    """The tokens file: token hash -> principal, certificate name -> principal."""
 
-    def __init__(self, principals: Mapping[str, Principal]) -> None:
+    def __init__(
+        self, principals: Mapping[str, Principal], by_cert: Mapping[str, Principal] | None = None
+    ) -> None:
         self._by_hash = dict(principals)
+        self._by_cert = dict(by_cert or {})
 
     def __len__(self) -> int:
-        return len(self._by_hash)
+        return len(self._by_hash) + len(self._by_cert)
+
+    @property
+    def has_certificates(self) -> bool:
+        return bool(self._by_cert)
 
     def lookup(self, token: str) -> Principal | None:
         return self._by_hash.get(hash_token(token)) if token else None
+
+    def lookup_certificate(self, names: Sequence[str]) -> Principal | None:
+        """The principal of a verified client certificate with these names (its common
+        name, then its subject alternative names), or None."""
+        for name in names:
+            found = self._by_cert.get(name)
+            if found is not None:
+                return found
+        return None
 
     @classmethod
     def load(cls, path: str | Path, field: str = "auth_tokens_file") -> TokenBook:
@@ -198,8 +221,11 @@ class TokenBook:
     def parse(cls, doc: Any, where: str) -> TokenBook:
         entries = doc.get("tokens") if isinstance(doc, dict) else None
         if not isinstance(entries, list) or not entries:
-            raise InvalidArgument(where, "must hold `tokens:`, a list of {name, role, token}")
+            raise InvalidArgument(
+                where, "must hold `tokens:`, a list of {name, role, token | cert_name}"
+            )
         out: dict[str, Principal] = {}
+        by_cert: dict[str, Principal] = {}
         names: set[str] = set()
         for i, e in enumerate(entries):
             at = f"{where} tokens[{i}]"
@@ -210,9 +236,19 @@ class TokenBook:
                 raise InvalidArgument(at, "needs a name")
             if role not in set(Role):
                 raise InvalidArgument(at, f"role {role!r} is not one of {[r.value for r in Role]}")
-            token, digest = e.get("token"), e.get("token_sha256")
-            if (token is None) == (digest is None):
-                raise InvalidArgument(at, "needs exactly one of token and token_sha256")
+            token, digest, cert = e.get("token"), e.get("token_sha256"), e.get("cert_name")
+            if sum(x is not None for x in (token, digest, cert)) != 1:
+                raise InvalidArgument(at, "needs exactly one of token, token_sha256 and cert_name")
+            if name in names:
+                raise InvalidArgument(at, f"the name {name!r} appears twice")
+            if cert is not None:
+                if not str(cert).strip():
+                    raise InvalidArgument(at, "cert_name must not be empty")
+                if str(cert) in by_cert:
+                    raise InvalidArgument(at, f"the cert_name {cert!r} appears twice")
+                names.add(name)
+                by_cert[str(cert)] = Principal(name, Role(role))
+                continue
             if token is not None:
                 if len(str(token)) < 16:
                     raise InvalidArgument(at, "a token must be at least 16 characters")
@@ -222,18 +258,25 @@ class TokenBook:
                 raise InvalidArgument(at, "token_sha256 must be 64 hex digits")
             if digest in out:
                 raise InvalidArgument(at, "the same token appears twice")
-            if name in names:
-                raise InvalidArgument(at, f"the name {name!r} appears twice")
             names.add(name)
             out[digest] = Principal(name, Role(role))
-        return cls(out)
+        return cls(out, by_cert)
 
 
-def write_tokens_file(path: Path, roles: Sequence[Role] = tuple(Role)) -> dict[Role, str]:
-    """A fresh tokens file with one random token per role (mode 0600); returns them."""
+def write_tokens_file(
+    path: Path, roles: Sequence[Role] = tuple(Role), cert_names: Mapping[Role, str] | None = None
+) -> dict[Role, str]:
+    """A fresh tokens file with one random token per role (mode 0600), and the client
+    certificate names in ``cert_names`` as identities of their roles; returns the tokens."""
     tokens = {role: secrets.token_urlsafe(32) for role in roles}
-    doc = {"tokens": [{"name": f"hpd-{r.value}", "role": r.value, "token": t}
-                      for r, t in tokens.items()]}  # fmt: skip
+    entries: list[dict[str, str]] = [
+        {"name": f"hpd-{r.value}", "role": r.value, "token": t} for r, t in tokens.items()
+    ]
+    entries += [
+        {"name": f"hpd-{r.value}-certificate", "role": r.value, "cert_name": n}
+        for r, n in (cert_names or {}).items()
+    ]
+    doc = {"tokens": entries}
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -381,13 +424,54 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         key = method_key(details.method)
         if handler is None or key is None:
             return handler  # unknown method (gRPC answers UNIMPLEMENTED), health, reflection
-        rule = ACCESS.get(key, frozenset())
         given = bearer(details.invocation_metadata)
-        principal = self.book.lookup(given)
+        if not given and self.book.has_certificates:
+            # the peer's certificate is known only to the call's context: decide there
+            return self._by_certificate(handler, key)
+        return self._decide(handler, key, self.book.lookup(given), given)
+
+    def _by_certificate(self, handler: grpc.RpcMethodHandler, key: str) -> Any:
+        def checked(context: grpc.aio.ServicerContext) -> Behavior:
+            names = certificate_names(context.auth_context())
+            decided = self._decide(handler, key, self.book.lookup_certificate(names), "")
+            behavior: Behavior = (
+                decided.unary_unary
+                or decided.unary_stream
+                or decided.stream_unary
+                or decided.stream_stream
+            )
+            return behavior
+
+        if handler.response_streaming:
+
+            async def streaming(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                async for item in checked(context)(request, context):
+                    yield item
+
+            return _rebuild(handler, streaming)
+
+        async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            return await checked(context)(request, context)
+
+        return _rebuild(handler, unary)
+
+    def _decide(
+        self,
+        handler: grpc.RpcMethodHandler,
+        key: str,
+        principal: Principal | None,
+        given: str,
+    ) -> Any:
+        rule = ACCESS.get(key, frozenset())
         if rule == READ and self.open_reads:
             return _as(handler, principal, None)
         if principal is None:
-            why = "unknown bearer token" if given else "no `authorization: Bearer` token"
+            why = (
+                "unknown bearer token"
+                if given
+                else "no `authorization: Bearer` token"
+                + (" and no known client certificate" if self.book.has_certificates else "")
+            )
             return _denial(handler, grpc.StatusCode.UNAUTHENTICATED, f"{key}: {why}")
         if isinstance(rule, frozenset) and not principal.operator and principal.role not in rule:
             allowed = sorted({"operator", *(r.value for r in rule)})
@@ -400,6 +484,18 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             )
         audit = None if rule == READ or key in NOT_AUDITED else key
         return _as(handler, principal, audit)
+
+
+def certificate_names(auth_context: Mapping[str, Sequence[bytes]]) -> list[str]:
+    """A verified client certificate's names from a call's auth context: its common name,
+    then its subject alternative names; none without mutual TLS."""
+    out: list[str] = []
+    for field in ("x509_common_name", "x509_subject_alternative_name"):
+        for value in auth_context.get(field, ()):
+            text = value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+            if text and text not in out:
+                out.append(text)
+    return out
 
 
 def interceptors_for(tokens_file: str, open_reads: bool) -> list[grpc.aio.ServerInterceptor]:

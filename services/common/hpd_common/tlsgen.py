@@ -3,10 +3,13 @@ nothing to set up.
 
 :func:`ensure_pki` makes (once, in a folder) a CA, one server certificate for every
 address the services answer on (``localhost``, ``127.0.0.1``, ``::1``, this host's name
-and the listen address), and one client certificate that the services, the CLI and the
-agents present. A restart reuses them while they have more than a day left, so clients
-keep trusting the same CA. Keys are ECDSA P-256, written 0600. For production, bring your
-own certificates (the ``tls_*`` and ``call_*`` settings).
+and the listen address), one client certificate that the services, the CLI and the
+agents present, and one client certificate per role (``role-<role>.pem``, common name
+``hpd-<role>``): with ``hpd up --tls --auth`` the tokens file names these as identities,
+so a caller presenting one needs no token (``hpd_common.auth``). A restart reuses them
+while they have more than a day left, so clients keep trusting the same CA. Keys are ECDSA
+P-256, written 0600. For production, bring your own certificates (the ``tls_*`` and
+``call_*`` settings).
 """
 
 from __future__ import annotations
@@ -34,6 +37,19 @@ class Pki:
     server_key: Path
     client_cert: Path
     client_key: Path
+
+    def role_cert(self, role: str) -> tuple[Path, Path]:
+        """(certificate, key) of the client certificate named ``hpd-<role>``."""
+        folder = self.ca.parent
+        return folder / f"role-{role}.pem", folder / f"role-{role}.key"
+
+
+ROLES = ("worker", "gateway", "scheduler", "operator")
+
+
+def role_cert_name(role: str) -> str:
+    """The common name of ``role``'s client certificate."""
+    return f"hpd-{role}"
 
 
 def _write(path: Path, data: bytes, private: bool) -> None:
@@ -64,7 +80,8 @@ def _name(cn: str) -> x509.Name:
 
 
 def _still_good(folder: Path, hosts: Sequence[str]) -> bool:
-    names = ("ca.pem", "server.pem", "server.key", "client.pem", "client.key")
+    roles = [f"role-{r}.{ext}" for r in ROLES for ext in ("pem", "key")]
+    names = ["ca.pem", "server.pem", "server.key", "client.pem", "client.key", *roles]
     if not all((folder / n).exists() for n in names):
         return False
     try:
@@ -162,4 +179,9 @@ def ensure_pki(folder: Path, hosts: Sequence[str] = ()) -> Pki:
     _write(pki.server_key, server_key, private=True)
     _write(pki.client_cert, client_pem, private=False)
     _write(pki.client_key, client_key, private=True)
+    for role in ROLES:
+        pem, key = leaf(role_cert_name(role), ExtendedKeyUsageOID.CLIENT_AUTH, [])
+        cert_path, key_path = pki.role_cert(role)
+        _write(cert_path, pem, private=False)
+        _write(key_path, key, private=True)
     return pki

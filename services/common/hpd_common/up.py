@@ -81,7 +81,9 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run every service on mutual TLS with a throwaway CA made in --state-dir/tls "
         "(reused while valid); clients trust tls/ca.pem and present tls/client.pem + "
-        "tls/client.key (hpd CLI and agents: HPD_CA_FILE, HPD_CERT_FILE, HPD_KEY_FILE)",
+        "tls/client.key (hpd CLI and agents: HPD_CA_FILE, HPD_CERT_FILE, HPD_KEY_FILE); "
+        "with --auth, tls/role-<role>.pem + .key identify a caller as that role without "
+        "a token",
     )
     p.add_argument("--log-level", default="info")
     p.add_argument("--json-logs", action=argparse.BooleanOptionalAction, default=None)
@@ -95,7 +97,11 @@ def _auth(args: argparse.Namespace) -> tuple[str, str]:
     elif args.auth:
         path = Path(args.state_dir).resolve() / "tokens.yaml"
         if not path.exists():
-            auth.write_tokens_file(path)
+            from hpd_common.tlsgen import role_cert_name
+
+            # the role certificates `--tls` makes (tls/role-<role>.pem) identify callers too
+            certs = {role: role_cert_name(role.value) for role in auth.Role}
+            auth.write_tokens_file(path, cert_names=certs)
             print(f"hpd: wrote a token per role to {path} (keep it secret)", flush=True)
     else:
         return "", ""
