@@ -12,7 +12,10 @@
 #   5. pytest (-v, so every test that ran is named) over the shared component tests,
 #      pointed at the stack by HPD_*_ADDR, plus tests/compose (grpcurl, Redis restart,
 #      network partition, registry kill);
-#   6. teardown of the stack and its volume, also on failure or Ctrl-C.
+#   6. the TLS variant (compose.tls.yaml over compose.yaml): certificates from `hpd certs`,
+#      the stack again on mutual TLS, tests/compose/test_tls.py against it
+#      (HPD_E2E_TLS=0 skips this phase);
+#   7. teardown of the stack and its volume, also on failure or Ctrl-C.
 #
 # Only the services the image's `hpd` knows are started (`hpd --help` lists them), so
 # the scheduler and kvbroker join as soon as their commands exist.
@@ -307,6 +310,36 @@ done
 set +e
 read -r -a TEST_PATHS <<<"${HPD_E2E_TESTS:-tests/component tests/compose}"
 .venv/bin/pytest -v -rA -p no:cacheprovider "${TEST_PATHS[@]}" "$@"
+rc=$?
+set -e
+[ "$rc" = 0 ] || exit "$rc"
+
+# ---- 6. the TLS variant (compose.tls.yaml): mutual TLS, certificate identities -----------
+[ "${HPD_E2E_TLS:-1}" = 1 ] || exit 0
+step "TLS variant: certificates, stack up on mutual TLS"
+TLS_DIR="$WORK/tls"
+as_root rm -rf "$TLS_DIR"
+as_root "$ROOT/.venv/bin/hpd" certs "$TLS_DIR" --host registry --host scheduler \
+  --host kvbroker --owner 10001
+export HPD_TLS_DIR=$TLS_DIR
+compose down -v -t 2 >/dev/null 2>&1 || true
+compose() {
+  "${COMPOSE[@]}" -p "$PROJECT" -f "$ROOT/compose.yaml" -f "$ROOT/compose.tls.yaml" "$@"
+}
+compose up -d redis "${UP[@]}" >"$WORK/up-tls.log" 2>&1 || { cat "$WORK/up-tls.log"; die "up failed"; }
+# the host reads the files as root; the probe presents the plain client certificate
+for svc in "${UP[@]}"; do
+  as_root .venv/bin/python scripts/grpc_health_probe.py --addr "127.0.0.1:${PORT_OF[$svc]}" \
+    --wait 90 --ca-file "$TLS_DIR/ca.pem" --cert-file "$TLS_DIR/client.pem" \
+    --key-file "$TLS_DIR/client.key" || die "$svc did not become SERVING over TLS"
+done
+step "tests against the TLS stack"
+export HPD_COMPOSE_TLS_DIR=$TLS_DIR
+set +e
+as_root env "PATH=$PATH" "HPD_COMPOSE=1" "HPD_COMPOSE_TLS_DIR=$TLS_DIR" \
+  "HPD_REGISTRY_ADDR=$HPD_REGISTRY_ADDR" "HPD_SCHEDULER_ADDR=$HPD_SCHEDULER_ADDR" \
+  "HPD_KVBROKER_ADDR=$HPD_KVBROKER_ADDR" \
+  .venv/bin/pytest -v -rA -p no:cacheprovider tests/compose/test_tls.py
 rc=$?
 set -e
 [ "$rc" = 0 ] || exit "$rc"

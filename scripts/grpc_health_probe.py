@@ -8,6 +8,7 @@ encoded by hand, so neither grpcio-health-checking nor generated code is importe
     grpc_health_probe.py                          # 127.0.0.1:$HPD_PORT (default 50051)
     grpc_health_probe.py --addr 127.0.0.1:50052 --service hetero_pd.v1.SchedulerService
     grpc_health_probe.py --addr 127.0.0.1:50051 --wait 60   # poll until SERVING or 60 s
+    grpc_health_probe.py --ca-file tls/ca.pem --cert-file tls/client.pem --key-file tls/client.key
 
 Exit codes: 0 SERVING; 1 answered but not SERVING (NOT_SERVING, SERVICE_UNKNOWN, ...);
 2 no answer (unreachable, deadline exceeded, unknown service name); 64 bad arguments.
@@ -20,6 +21,8 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import NamedTuple
 
 import grpc
 
@@ -87,19 +90,42 @@ def decode_status(data: bytes) -> int:
     return status
 
 
-def check(addr: str, service: str, timeout_s: float) -> int:
+class Tls(NamedTuple):
+    """PEM files for a TLS server (``ca``) that may ask for a client certificate."""
+
+    ca: str = ""
+    cert: str = ""
+    key: str = ""
+
+    def channel(self, addr: str) -> grpc.Channel:
+        if not self.ca:
+            return grpc.insecure_channel(addr)
+
+        def read(path: str) -> bytes | None:
+            return Path(path).read_bytes() if path else None
+
+        creds = grpc.ssl_channel_credentials(read(self.ca), read(self.key), read(self.cert))
+        return grpc.secure_channel(addr, creds)
+
+
+PLAINTEXT = Tls()
+
+
+def check(addr: str, service: str, timeout_s: float, tls: Tls = PLAINTEXT) -> int:
     """One Health/Check call; returns the status number or raises grpc.RpcError."""
-    with grpc.insecure_channel(addr) as channel:
+    with tls.channel(addr) as channel:
         call: Callable[..., bytes] = channel.unary_unary(CHECK_METHOD)
         return decode_status(call(encode_request(service), timeout=timeout_s))
 
 
-def probe(addr: str, service: str, timeout_s: float, wait_s: float) -> tuple[int, str]:
+def probe(
+    addr: str, service: str, timeout_s: float, wait_s: float, tls: Tls = PLAINTEXT
+) -> tuple[int, str]:
     """Checks once, or every 0.5 s until SERVING or `wait_s` seconds have passed."""
     deadline = time.monotonic() + wait_s
     while True:
         try:
-            status = check(addr, service, timeout_s)
+            status = check(addr, service, timeout_s, tls)
             code, text = (0 if status == SERVING else 1), STATUS_NAMES.get(status, str(status))
         except grpc.RpcError as exc:
             rpc_code = exc.code() if isinstance(exc, grpc.Call) else None
@@ -117,11 +143,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=3.0, help="deadline per call, seconds")
     p.add_argument("--wait", type=float, default=0.0, help="keep polling this many seconds")
     p.add_argument("-q", "--quiet", action="store_true", help="print nothing")
+    env = os.environ.get
+    p.add_argument(
+        "--ca-file", default=env("HPD_CA_FILE", ""), help="TLS: the servers' CA (HPD_CA_FILE)"
+    )
+    p.add_argument(
+        "--cert-file", default=env("HPD_CERT_FILE", ""), help="mTLS: client cert (HPD_CERT_FILE)"
+    )
+    p.add_argument(
+        "--key-file", default=env("HPD_KEY_FILE", ""), help="mTLS: its key (HPD_KEY_FILE)"
+    )
     try:
         args = p.parse_args(argv)
     except SystemExit as exc:
         return 0 if exc.code == 0 else 64
-    code, text = probe(args.addr, args.service, args.timeout, args.wait)
+    tls = Tls(args.ca_file, args.cert_file, args.key_file)
+    code, text = probe(args.addr, args.service, args.timeout, args.wait, tls)
     if not args.quiet:
         print(f"{args.addr} {args.service or '(server)'}: {text}")
     return code

@@ -291,3 +291,23 @@ def test_probe_gives_up_on_a_closed_port(probe: ModuleType) -> None:
         s.bind(("127.0.0.1", 0))
         addr = f"127.0.0.1:{s.getsockname()[1]}"
     assert probe.main(["-q", "--addr", addr, "--timeout", "1"]) == 2
+
+
+def test_the_tls_overlay_puts_every_service_on_mutual_tls_with_certificate_identities() -> None:
+    """compose.tls.yaml: each service serves TLS, asks for client certificates, checks them
+    against the tokens file of `hpd certs`, presents the scheduler certificate to the others,
+    and mounts the folder read-only. It overrides no list (podman-compose appends lists)."""
+    text = interpolate((ROOT / "compose.tls.yaml").read_text(), {})
+    overlay = yaml.safe_load(text)
+    base = services(load_compose())
+    assert set(overlay["services"]) == {"registry", "scheduler", "kvbroker"}
+    for name, svc in overlay["services"].items():
+        env = svc["environment"]
+        assert env["HPD_TLS_CERT_FILE"].startswith("/tls/") and env["HPD_TLS_CLIENT_CA_FILE"]
+        assert env["HPD_AUTH_TOKENS_FILE"] == "/tls/tokens.yaml"
+        assert env["HPD_CALL_CERT_FILE"] == "/tls/role-scheduler.pem"
+        assert env["HPD_CA_FILE"] and env["HPD_CERT_FILE"]  # the health check's TLS
+        assert svc["volumes"] == ["./tls:/tls:ro"]
+        assert not base[name].get("volumes"), f"{name}: a base list would be merged into"
+        for key, value in svc.items():
+            assert not (isinstance(value, list) and key != "volumes"), f"{name}.{key}"

@@ -39,6 +39,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "uncordon": ("hpd_common.admin", "clear a worker's cordon and drain (operator)"),
     "deregister": ("hpd_common.admin", "take a worker out of the fleet now (operator)"),
     "token": ("hpd_common.admin", "print a role's token from `hpd up --auth`"),
+    "certs": ("hpd_common.tlsgen", "make a throwaway CA, certificates and an mTLS tokens file"),
     "native": ("hpd_common.native", "compile the policy core with mypyc, or show its status"),
     "fuzz": ("hpd_fleet.fuzz", "mutation-fuzz every RPC of a running control plane"),
 }

@@ -185,3 +185,44 @@ def ensure_pki(folder: Path, hosts: Sequence[str] = ()) -> Pki:
         _write(cert_path, pem, private=False)
         _write(key_path, key, private=True)
     return pki
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`hpd certs DIR`: the CA and certificates of `ensure_pki` in DIR for the given
+    server names, and DIR/tokens.yaml naming each role certificate as that role (plus a
+    random token per role), for a control plane you run yourself with mutual TLS, e.g.
+    the compose stack's TLS variant (compose.tls.yaml)."""
+    import argparse
+
+    from hpd_common import auth
+
+    p = argparse.ArgumentParser(
+        prog="hpd certs",
+        description="Make a throwaway CA, a server certificate for the given names, a "
+        "client certificate per role (role-<role>.pem, common name hpd-<role>) and a "
+        "tokens file that names them (tokens.yaml). Existing, still valid files are kept.",
+        epilog="Example: hpd certs ./tls --host registry --host scheduler --host kvbroker "
+        "--owner 10001   (then: docker compose -f compose.yaml -f compose.tls.yaml up -d)",
+    )
+    p.add_argument("dir", help="folder to write to (made if missing)")
+    p.add_argument(
+        "--host", action="append", default=[], help="a name or address the servers answer on"
+    )
+    p.add_argument(
+        "--owner",
+        type=int,
+        default=-1,
+        help="give the files to this uid (the image's user is 10001), keys staying 0600",
+    )
+    args = p.parse_args(argv)
+    folder = Path(args.dir)
+    pki = ensure_pki(folder, args.host)
+    tokens = folder / "tokens.yaml"
+    if not tokens.exists():
+        certs = {role: role_cert_name(role.value) for role in auth.Role}
+        auth.write_tokens_file(tokens, cert_names=certs)
+    if args.owner >= 0:
+        for path in [folder, *folder.iterdir()]:
+            os.chown(path, args.owner, -1)
+    print(f"CA {pki.ca}; server certificate for {', '.join(_sans(args.host))}; tokens {tokens}")
+    return 0
