@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -27,10 +29,8 @@ def pair(tmp_path: Path) -> Iterator[tuple[EmbeddedRedis, EmbeddedRedis]]:
     replica = EmbeddedRedis(
         tmp_path / "r",
         persist=False,
-        extra_args=[
-            "--replicaof", "127.0.0.1", str(primary.port), "--enable-debug-command", "local",
-        ],
-    ).start()  # fmt: skip
+        extra_args=["--replicaof", "127.0.0.1", str(primary.port)],
+    ).start()
     try:
         yield primary, replica
     finally:
@@ -83,13 +83,14 @@ async def test_a_stalled_replica_makes_the_write_retryable(
     client = connect(f"{primary.url}?wait_replicas=1&wait_timeout_ms=100")
     script = client.register_script(INCR)
     assert await script(keys=["rep:s"]) == b"1"
-    async with plain(replica.port) as r:
-        stall = asyncio.create_task(r.execute_command("DEBUG", "SLEEP", "1"))
-        await asyncio.sleep(0.1)
+    assert replica.pid is not None
+    os.kill(replica.pid, signal.SIGSTOP)  # connected, but acknowledges nothing
+    try:
         with pytest.raises(NotReplicated) as err:
             await script(keys=["rep:s"])
         assert isinstance(err.value, STORE_DOWN)  # the store answers UNAVAILABLE
-        await stall
+    finally:
+        os.kill(replica.pid, signal.SIGCONT)
     await client.aclose()
 
 

@@ -212,6 +212,11 @@ class EmbeddedRedis:
             return False
 
     @property
+    def pid(self) -> int | None:
+        """The server's process id while it runs (for tests that stop or stall it)."""
+        return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
+
+    @property
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 

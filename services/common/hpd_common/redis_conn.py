@@ -16,18 +16,19 @@ URLs (`redis_url` of every service, `hpd up --redis-url`):
   UNAVAILABLE (retryable) and nothing else. The password is the data nodes'; sentinels are
   asked without one.
 
-Either takes ``?wait_replicas=N&wait_timeout_ms=T`` (default N=0: not used; T=250, under 80% of the
-client's 1 s socket timeout). Then every
-script call (every state change of every service is one script) is followed, on the same
-connection and in the same round trip, by ``WAIT N T``: the call returns only once N
-replicas hold the write, so a write that was acknowledged survives the primary's death
-and a failover to a replica. When fewer than N acknowledge in T ms and fewer than N are
-connected at all (a primary that lost its replica, or a new primary whose old one has not
-rejoined), the write is acknowledged unreplicated, counted in
-``hpd_redis_unreplicated_writes_total`` and logged, and ``WAIT`` is skipped for the next
-second (asynchronous replication, as Redis itself runs, until a replica is back); when N
-are connected but lag, the call fails UNAVAILABLE (the write may exist: every script is
-idempotent under a retry with the same arguments).
+Either takes ``?wait_replicas=N&wait_timeout_ms=T`` (default N=0: not used; T=250, and
+under 80% of the client's 1 s socket timeout). Then every script call (every state change
+of every service is one script) is followed, on the same connection and in the same round
+trip, by ``WAIT N T``: the call returns only once N replicas hold the write, so a write
+that was acknowledged survives the primary's death and a failover to a replica. When fewer
+than N acknowledge in T ms and fewer than N are connected at all (a primary that lost its
+replica, or a new primary whose old one has not rejoined), the write is acknowledged
+unreplicated, counted in ``hpd_redis_unreplicated_writes_total`` and logged, and ``WAIT``
+is skipped for the next second (asynchronous replication, as Redis itself runs, until a
+replica is back). When N are connected but lag, the call fails UNAVAILABLE although the
+write exists on the primary: a retry finds it (plans and sessions replay by request id,
+heartbeats and outcomes repeat harmlessly; a registration retried without the credential
+it never received meets ALREADY_EXISTS until that lease lapses).
 """
 
 from __future__ import annotations
