@@ -20,15 +20,17 @@ Either takes ``?wait_replicas=N&wait_timeout_ms=T`` (default N=0: not used; T=25
 under 80% of the client's 1 s socket timeout). Then every script call (every state change
 of every service is one script) is followed, on the same connection and in the same round
 trip, by ``WAIT N T``: the call returns only once N replicas hold the write, so a write
-that was acknowledged survives the primary's death and a failover to a replica. When fewer
-than N acknowledge in T ms and fewer than N are connected at all (a primary that lost its
-replica, or a new primary whose old one has not rejoined), the write is acknowledged
-unreplicated, counted in ``hpd_redis_unreplicated_writes_total`` and logged, and ``WAIT``
-is skipped for the next second (asynchronous replication, as Redis itself runs, until a
-replica is back). When N are connected but lag, the call fails UNAVAILABLE although the
-write exists on the primary: a retry finds it (plans and sessions replay by request id,
-heartbeats and outcomes repeat harmlessly; a registration retried without the credential
-it never received meets ALREADY_EXISTS until that lease lapses).
+that was acknowledged survives the primary's death and a failover to a replica.
+
+When fewer than N acknowledge in T ms and fewer than N are connected at all (a primary
+that lost its replica, or a new primary whose old one has not rejoined), the write is
+acknowledged unreplicated (asynchronous replication, as Redis itself runs), and so is
+every write after it, without a ``WAIT``, until a replica is back (the replica count is
+read once a second): each is counted in ``hpd_redis_unreplicated_writes_total``, and
+logged at most every 5 s. When N are connected but lag, the call fails UNAVAILABLE
+although the write exists on the primary: a retry finds it (plans and sessions replay by
+request id, heartbeats and outcomes repeat harmlessly; a registration retried without the
+credential it never received meets ALREADY_EXISTS until that lease lapses).
 """
 
 from __future__ import annotations
@@ -221,12 +223,26 @@ def parse_url(url: str) -> RedisTarget:
     )
 
 
+@dataclass(slots=True)
+class ReplicationState:
+    """Whether writes to one Redis currently go without ``WAIT``: ``degraded_until`` is 0
+    while replicas are connected, else when to read the replica count again. One per
+    Redis URL in a process, so the registry, scheduler and broker of `hpd up` (and the
+    health probe, which reads the count about once a second) learn it together: after a
+    failover only the first write waits out a ``WAIT`` that cannot succeed."""
+
+    degraded_until: float = 0.0
+
+
+_REPLICATION: dict[str, ReplicationState] = {}
+
+
 class HpdRedis(aioredis.Redis):  # type: ignore[misc]
     """redis-py's asyncio client whose script calls wait for replicas (``wait_replicas``)."""
 
     wait_replicas: int = 0
     wait_timeout_ms: int = 250
-    _async_until: float = 0.0
+    replication: ReplicationState  # shared by this process's clients of one Redis
     used_memory: int = 0  # bytes, as the health probe last read them (INFO memory)
     maxmemory: int = 0  # 0: Redis has no limit
 
@@ -235,9 +251,14 @@ class HpdRedis(aioredis.Redis):  # type: ignore[misc]
         return self.used_memory / self.maxmemory if self.maxmemory > 0 else 0.0
 
     def evalsha(self, sha: Any, numkeys: int, *keys_and_args: Any) -> Any:
-        if self.wait_replicas <= 0 or time.monotonic() < self._async_until:
+        if self.wait_replicas <= 0:
             return super().evalsha(sha, numkeys, *keys_and_args)
+        if self.replication.degraded_until:
+            return self._evalsha_degraded(sha, numkeys, keys_and_args)
         return self._evalsha_acked(sha, numkeys, keys_and_args)
+
+    async def _connected_replicas(self) -> int:
+        return int((await self.info("replication")).get("connected_slaves", 0))
 
     async def _evalsha_acked(self, sha: Any, numkeys: int, keys_and_args: tuple[Any, ...]) -> Any:
         async with self.pipeline(transaction=False) as pipe:
@@ -246,27 +267,49 @@ class HpdRedis(aioredis.Redis):  # type: ignore[misc]
             result, acked = await pipe.execute()
         if int(acked) >= self.wait_replicas:
             return result
-        info = await self.info("replication")
-        connected = int(info.get("connected_slaves", 0))
+        connected = await self._connected_replicas()
         if connected >= self.wait_replicas:
             raise NotReplicated(
                 f"{acked} of {self.wait_replicas} replica(s) held the write within "
                 f"{self.wait_timeout_ms} ms"
             )
+        self.replication.degraded_until = time.monotonic() + 1.0
+        self._count_unreplicated(connected)
+        return result
+
+    async def _evalsha_degraded(
+        self, sha: Any, numkeys: int, keys_and_args: tuple[Any, ...]
+    ) -> Any:
+        """Too few replicas connected: no WAIT (it could only time out); once a second the
+        replica count is read again (one INFO, not a WAIT's timeout) and WAIT resumes."""
+        state = self.replication
         now = time.monotonic()
-        self._async_until = now + 1.0
-        metrics.REDIS_UNREPLICATED.inc()
+        if now >= state.degraded_until:
+            state.degraded_until = now + 1.0  # first, so concurrent calls do not all ask
+            connected = await self._connected_replicas()
+            if connected >= self.wait_replicas:
+                state.degraded_until = 0.0
+                log.info("redis_replicas_back", connected_replicas=connected)
+                return await self._evalsha_acked(sha, numkeys, keys_and_args)
+        result = await super().evalsha(sha, numkeys, *keys_and_args)
+        self._count_unreplicated(-1)
+        return result
+
+    def _count_unreplicated(self, connected: int) -> None:
+        """Counts one write acknowledged unreplicated; logs at most one line per 5 s for
+        the whole process, however many clients."""
         global _unreplicated_since_log, _unreplicated_logged_at
+        metrics.REDIS_UNREPLICATED.inc()
         _unreplicated_since_log += 1
-        if now - _unreplicated_logged_at >= 5.0:  # one line per 5 s, however many clients
+        now = time.monotonic()
+        if now - _unreplicated_logged_at >= 5.0:
             log.warning(
                 "redis_write_unreplicated",
-                connected_replicas=connected,
+                connected_replicas=connected if connected >= 0 else "unknown",
                 wait_replicas=self.wait_replicas,
                 writes=_unreplicated_since_log,
             )
             _unreplicated_since_log, _unreplicated_logged_at = 0, now
-        return result
 
 
 _unreplicated_since_log = 0
@@ -311,6 +354,7 @@ def connect(url: str, *, timeout_s: float = 1.0, max_connections: int = 64) -> H
         client = HpdRedis.from_url(target.url, **options)
     client.wait_replicas = target.wait_replicas
     client.wait_timeout_ms = target.wait_timeout_ms
+    client.replication = _REPLICATION.setdefault(url, ReplicationState())
     with_c_packer(client)
     return client
 
@@ -333,7 +377,8 @@ def refuse_when_full(client: Any, limit_ratio: float, what: str) -> None:
 class RedisHealthProbe:
     """Pings Redis every `interval_s`; calls `on_change(up)` when reachability flips.
     About once a second it also reads Redis's memory (`INFO memory`) into the client
-    (`HpdRedis.used_memory` / `maxmemory`, the gauge `hpd_redis_memory_used_ratio`)."""
+    (`HpdRedis.used_memory` / `maxmemory`, the gauge `hpd_redis_memory_used_ratio`) and,
+    with ``wait_replicas``, its connected replica count (`ReplicationState`)."""
 
     def __init__(
         self,
@@ -370,10 +415,19 @@ class RedisHealthProbe:
         self._memory_read_at = time.monotonic()
         if not isinstance(self._client, HpdRedis):
             return
-        info = await self._client.info("memory")
-        self._client.used_memory = int(info.get("used_memory", 0))
-        self._client.maxmemory = int(info.get("maxmemory", 0))
-        metrics.REDIS_MEMORY_RATIO.labels(service=self._service).set(self._client.memory_ratio())
+        client = self._client
+        info = await client.info("memory")
+        client.used_memory = int(info.get("used_memory", 0))
+        client.maxmemory = int(info.get("maxmemory", 0))
+        metrics.REDIS_MEMORY_RATIO.labels(service=self._service).set(client.memory_ratio())
+        if client.wait_replicas > 0:
+            # notice a primary without replicas before a write waits out a WAIT for it
+            short = await client._connected_replicas() < client.wait_replicas
+            state = client.replication
+            if short and not state.degraded_until:
+                state.degraded_until = time.monotonic() + 1.0
+            elif not short and state.degraded_until:
+                state.degraded_until = 0.0
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"redis-probe-{self._service}")
