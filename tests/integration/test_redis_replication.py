@@ -5,18 +5,18 @@ is acknowledged unreplicated (counted), as Redis's own asynchronous replication 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
-import redis.asyncio as aioredis
 
 from hpd_common import metrics
 from hpd_common.embedded_redis import EmbeddedRedis
-from hpd_common.redis_conn import STORE_DOWN, NotReplicated, connect
+from hpd_common.redis_conn import STORE_DOWN, HpdRedis, NotReplicated, connect
+from tests.support.replication import plain, start_pair, wait_synced
 
 pytestmark = [pytest.mark.integration]
 
@@ -24,36 +24,21 @@ INCR = "redis.call('INCR', KEYS[1]); return redis.call('GET', KEYS[1])"
 
 
 @pytest.fixture
-def pair(tmp_path: Path) -> Iterator[tuple[EmbeddedRedis, EmbeddedRedis]]:
-    primary = EmbeddedRedis(tmp_path / "p", persist=False).start()
-    replica = EmbeddedRedis(
-        tmp_path / "r",
-        persist=False,
-        extra_args=["--replicaof", "127.0.0.1", str(primary.port)],
-    ).start()
+async def pair(tmp_path: Path) -> AsyncIterator[tuple[EmbeddedRedis, EmbeddedRedis]]:
+    """A primary and a replica that has finished its first sync."""
+    primary, replica = start_pair(tmp_path, persist=False)
     try:
+        await wait_synced(primary.port, replica.port)
         yield primary, replica
     finally:
         replica.stop()
         primary.stop()
 
 
-@contextlib.asynccontextmanager
-async def plain(port: int) -> AsyncIterator[aioredis.Redis]:
-    client = aioredis.Redis(port=port)
-    try:
-        yield client
-    finally:
-        await client.aclose()
-
-
-async def synced(replica: EmbeddedRedis) -> None:
-    async with plain(replica.port) as r:
-        for _ in range(400):
-            if (await r.info("replication")).get("master_link_status") == "up":
-                return
-            await asyncio.sleep(0.025)
-    raise TimeoutError("replica did not sync")
+def acked_incr(primary: EmbeddedRedis, wait_timeout_ms: int) -> tuple[HpdRedis, Any]:
+    """A client of ``primary`` waiting for one replica, and its INCR script."""
+    client = connect(f"{primary.url}?wait_replicas=1&wait_timeout_ms={wait_timeout_ms}")
+    return client, client.register_script(INCR)
 
 
 def unreplicated() -> float:
@@ -64,9 +49,7 @@ async def test_an_acknowledged_write_is_on_the_replica(
     pair: tuple[EmbeddedRedis, EmbeddedRedis],
 ) -> None:
     primary, replica = pair
-    await synced(replica)
-    client = connect(f"{primary.url}?wait_replicas=1&wait_timeout_ms=500")
-    script = client.register_script(INCR)
+    client, script = acked_incr(primary, 500)
     async with plain(replica.port) as r:
         for n in range(1, 21):
             assert await script(keys=["rep:k"]) == str(n).encode()
@@ -79,9 +62,7 @@ async def test_a_stalled_replica_makes_the_write_retryable(
     pair: tuple[EmbeddedRedis, EmbeddedRedis],
 ) -> None:
     primary, replica = pair
-    await synced(replica)
-    client = connect(f"{primary.url}?wait_replicas=1&wait_timeout_ms=100")
-    script = client.register_script(INCR)
+    client, script = acked_incr(primary, 100)
     assert await script(keys=["rep:s"]) == b"1"
     assert replica.pid is not None
     os.kill(replica.pid, signal.SIGSTOP)  # connected, but acknowledges nothing
@@ -98,10 +79,8 @@ async def test_without_a_connected_replica_writes_go_on_unreplicated(
     pair: tuple[EmbeddedRedis, EmbeddedRedis],
 ) -> None:
     primary, replica = pair
-    await synced(replica)
     replica.stop()
-    client = connect(f"{primary.url}?wait_replicas=1&wait_timeout_ms=100")
-    script = client.register_script(INCR)
+    client, script = acked_incr(primary, 100)
     before = unreplicated()
     async with plain(primary.port) as p:
         for _ in range(100):  # the primary notices the replica's exit

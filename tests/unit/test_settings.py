@@ -66,3 +66,17 @@ def test_missing_config_file_is_named(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgument) as err:
         load_settings(RegistrySettings, parse(["--config", str(tmp_path / "nope.yaml")]), env={})
     assert err.value.field == "config" and "nope.yaml" in err.value.message
+
+
+@pytest.mark.parametrize("ratio", [-0.1, 1.0, 1.5])
+def test_the_redis_memory_limit_is_checked_for_every_service(ratio: float) -> None:
+    """The setting is every service's (the broker refuses sessions by it as the scheduler
+    refuses plans), so every service refuses a value outside [0, 1) at start, naming it."""
+    from hpd_kvbroker.service import KvBrokerSettings
+    from hpd_registry.service import RegistrySettings
+    from hpd_scheduler.service import SchedulerSettings
+
+    for cls in (KvBrokerSettings, RegistrySettings, SchedulerSettings):
+        with pytest.raises(InvalidArgument) as err:
+            cls(redis_memory_limit_ratio=ratio)
+        assert err.value.field == "redis_memory_limit_ratio"

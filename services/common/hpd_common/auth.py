@@ -343,6 +343,14 @@ def _rebuild(handler: grpc.RpcMethodHandler, behavior: Behavior) -> Any:
     )
 
 
+def _behavior(handler: grpc.RpcMethodHandler) -> Behavior:
+    """The one behaviour a method handler carries, whatever its streaming shape."""
+    found: Behavior = (
+        handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
+    )
+    return found
+
+
 def _subject(request: Any) -> dict[str, str]:
     out: dict[str, str] = {}
     for name in _SUBJECT_FIELDS:
@@ -354,9 +362,7 @@ def _subject(request: Any) -> dict[str, str]:
 
 def _as(handler: grpc.RpcMethodHandler, principal: Principal | None, audit: str | None) -> Any:
     """The handler, run with ``principal`` as :func:`current` (and audited when named)."""
-    inner: Behavior = (
-        handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
-    )
+    inner = _behavior(handler)
     if handler.response_streaming:
 
         async def streaming(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
@@ -433,14 +439,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     def _by_certificate(self, handler: grpc.RpcMethodHandler, key: str) -> Any:
         def checked(context: grpc.aio.ServicerContext) -> Behavior:
             names = certificate_names(context.auth_context())
-            decided = self._decide(handler, key, self.book.lookup_certificate(names), "")
-            behavior: Behavior = (
-                decided.unary_unary
-                or decided.unary_stream
-                or decided.stream_unary
-                or decided.stream_stream
-            )
-            return behavior
+            return _behavior(self._decide(handler, key, self.book.lookup_certificate(names), ""))
 
         if handler.response_streaming:
 

@@ -224,17 +224,27 @@ def parse_url(url: str) -> RedisTarget:
 
 
 @dataclass(slots=True)
-class ReplicationState:
-    """Whether writes to one Redis currently go without ``WAIT``: ``degraded_until`` is 0
-    while replicas are connected, else when to read the replica count again. One per
-    Redis URL in a process, so the registry, scheduler and broker of `hpd up` (and the
-    health probe, which reads the count about once a second) learn it together: after a
-    failover only the first write waits out a ``WAIT`` that cannot succeed."""
+class RedisState:
+    """What the services of one process know of one Redis (one per Redis URL, shared by
+    `hpd up`'s registry, scheduler and broker): its memory and whether writes currently go
+    without ``WAIT``. Health probes refresh it about once a second, whichever gets there
+    first (one ``INFO`` per second per process, not per service).
 
+    ``degraded_until`` is 0 while enough replicas are connected, else when to read the
+    replica count again: after a failover only the first write waits out a ``WAIT`` that
+    cannot succeed."""
+
+    used_memory: int = 0  # bytes, at the last read (INFO memory)
+    maxmemory: int = 0  # 0: Redis has no limit
     degraded_until: float = 0.0
+    read_at: float = -1e9
+
+    def memory_ratio(self) -> float:
+        """used_memory / maxmemory at the last read (0.0 when Redis has no limit)."""
+        return self.used_memory / self.maxmemory if self.maxmemory > 0 else 0.0
 
 
-_REPLICATION: dict[str, ReplicationState] = {}
+_STATES: dict[str, RedisState] = {}
 
 
 class HpdRedis(aioredis.Redis):  # type: ignore[misc]
@@ -242,18 +252,12 @@ class HpdRedis(aioredis.Redis):  # type: ignore[misc]
 
     wait_replicas: int = 0
     wait_timeout_ms: int = 250
-    replication: ReplicationState  # shared by this process's clients of one Redis
-    used_memory: int = 0  # bytes, as the health probe last read them (INFO memory)
-    maxmemory: int = 0  # 0: Redis has no limit
-
-    def memory_ratio(self) -> float:
-        """used_memory / maxmemory at the last probe (0.0 when Redis has no limit)."""
-        return self.used_memory / self.maxmemory if self.maxmemory > 0 else 0.0
+    state: RedisState  # shared by this process's clients of the same Redis URL
 
     def evalsha(self, sha: Any, numkeys: int, *keys_and_args: Any) -> Any:
         if self.wait_replicas <= 0:
             return super().evalsha(sha, numkeys, *keys_and_args)
-        if self.replication.degraded_until:
+        if self.state.degraded_until:
             return self._evalsha_degraded(sha, numkeys, keys_and_args)
         return self._evalsha_acked(sha, numkeys, keys_and_args)
 
@@ -273,7 +277,7 @@ class HpdRedis(aioredis.Redis):  # type: ignore[misc]
                 f"{acked} of {self.wait_replicas} replica(s) held the write within "
                 f"{self.wait_timeout_ms} ms"
             )
-        self.replication.degraded_until = time.monotonic() + 1.0
+        self.state.degraded_until = time.monotonic() + 1.0
         self._count_unreplicated(connected)
         return result
 
@@ -282,7 +286,7 @@ class HpdRedis(aioredis.Redis):  # type: ignore[misc]
     ) -> Any:
         """Too few replicas connected: no WAIT (it could only time out); once a second the
         replica count is read again (one INFO, not a WAIT's timeout) and WAIT resumes."""
-        state = self.replication
+        state = self.state
         now = time.monotonic()
         if now >= state.degraded_until:
             state.degraded_until = now + 1.0  # first, so concurrent calls do not all ask
@@ -354,7 +358,7 @@ def connect(url: str, *, timeout_s: float = 1.0, max_connections: int = 64) -> H
         client = HpdRedis.from_url(target.url, **options)
     client.wait_replicas = target.wait_replicas
     client.wait_timeout_ms = target.wait_timeout_ms
-    client.replication = _REPLICATION.setdefault(url, ReplicationState())
+    client.state = _STATES.setdefault(url, RedisState())
     with_c_packer(client)
     return client
 
@@ -365,7 +369,7 @@ def refuse_when_full(client: Any, limit_ratio: float, what: str) -> None:
     while Redis itself still takes every write, so heartbeats, outcomes and session progress
     (which free or merely update state) go on and the store drains by its TTLs. Redis
     without a limit, or ``limit_ratio`` 0, refuses nothing."""
-    ratio = client.memory_ratio() if isinstance(client, HpdRedis) else 0.0
+    ratio = client.state.memory_ratio() if isinstance(client, HpdRedis) else 0.0
     if limit_ratio > 0 and ratio >= limit_ratio:
         raise ResourceExhausted(
             f"state store memory at {ratio:.0%} of maxmemory (limit {limit_ratio:.0%}): new "
@@ -376,9 +380,9 @@ def refuse_when_full(client: Any, limit_ratio: float, what: str) -> None:
 
 class RedisHealthProbe:
     """Pings Redis every `interval_s`; calls `on_change(up)` when reachability flips.
-    About once a second it also reads Redis's memory (`INFO memory`) into the client
-    (`HpdRedis.used_memory` / `maxmemory`, the gauge `hpd_redis_memory_used_ratio`) and,
-    with ``wait_replicas``, its connected replica count (`ReplicationState`)."""
+    About once a second it also refreshes the client's `RedisState` (Redis's memory and,
+    with ``wait_replicas``, its connected replica count) unless another probe of this
+    process just did, and sets the gauge `hpd_redis_memory_used_ratio` from it."""
 
     def __init__(
         self,
@@ -393,14 +397,12 @@ class RedisHealthProbe:
         self._interval_s = interval_s
         self.up: bool | None = None
         self._task: asyncio.Task[None] | None = None
-        self._memory_read_at = -1e9
 
     async def check_once(self) -> bool:
         try:
             async with asyncio.timeout(max(self._interval_s, 0.5)):
                 await self._client.ping()
-                if time.monotonic() - self._memory_read_at >= 1.0:
-                    await self._read_memory()
+                await self._read_state()
             up = True
         except (RedisError, OSError, TimeoutError):
             up = False
@@ -411,23 +413,25 @@ class RedisHealthProbe:
             await self._on_change(up)
         return up
 
-    async def _read_memory(self) -> None:
-        self._memory_read_at = time.monotonic()
-        if not isinstance(self._client, HpdRedis):
-            return
+    async def _read_state(self) -> None:
         client = self._client
-        info = await client.info("memory")
-        client.used_memory = int(info.get("used_memory", 0))
-        client.maxmemory = int(info.get("maxmemory", 0))
-        metrics.REDIS_MEMORY_RATIO.labels(service=self._service).set(client.memory_ratio())
-        if client.wait_replicas > 0:
-            # notice a primary without replicas before a write waits out a WAIT for it
-            short = await client._connected_replicas() < client.wait_replicas
-            state = client.replication
-            if short and not state.degraded_until:
-                state.degraded_until = time.monotonic() + 1.0
-            elif not short and state.degraded_until:
-                state.degraded_until = 0.0
+        if not isinstance(client, HpdRedis):
+            return
+        state = client.state
+        now = time.monotonic()
+        if now - state.read_at >= 1.0:
+            state.read_at = now
+            info = await client.info("memory")
+            state.used_memory = int(info.get("used_memory", 0))
+            state.maxmemory = int(info.get("maxmemory", 0))
+            if client.wait_replicas > 0:
+                # notice a primary without replicas before a write waits out a WAIT for it
+                short = await client._connected_replicas() < client.wait_replicas
+                if short and not state.degraded_until:
+                    state.degraded_until = time.monotonic() + 1.0
+                elif not short and state.degraded_until:
+                    state.degraded_until = 0.0
+        metrics.REDIS_MEMORY_RATIO.labels(service=self._service).set(state.memory_ratio())
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"redis-probe-{self._service}")

@@ -75,6 +75,10 @@ class ServerSettings(CallSettings):
     json_logs: bool | None = field(default=None, metadata={"help": "JSON logs (default: no TTY)"})
     shutdown_grace_s: float = field(default=5.0, metadata={"help": "drain time on SIGTERM"})
 
+    def __post_init__(self) -> None:
+        if not 0 <= self.redis_memory_limit_ratio < 1:
+            raise InvalidArgument("redis_memory_limit_ratio", "must be in [0, 1)")
+
     def with_overrides(self, **changes: Any) -> Any:
         return dataclasses.replace(self, **changes)
 

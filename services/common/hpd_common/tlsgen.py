@@ -27,6 +27,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from hpd_common.auth import Role
+
 VALID_DAYS = 30
 
 
@@ -44,12 +46,17 @@ class Pki:
         return folder / f"role-{role}.pem", folder / f"role-{role}.key"
 
 
-ROLES = ("worker", "gateway", "scheduler", "operator")
+ROLES = tuple(role.value for role in Role)
 
 
 def role_cert_name(role: str) -> str:
     """The common name of ``role``'s client certificate."""
     return f"hpd-{role}"
+
+
+def role_cert_names() -> dict[Role, str]:
+    """Each role's client certificate name, as a tokens file names them (``cert_name``)."""
+    return {role: role_cert_name(role.value) for role in Role}
 
 
 def _write(path: Path, data: bytes, private: bool) -> None:
@@ -194,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     the compose stack's TLS variant (compose.tls.yaml)."""
     import argparse
 
-    from hpd_common import auth
+    from hpd_common.auth import write_tokens_file
 
     p = argparse.ArgumentParser(
         prog="hpd certs",
@@ -219,8 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     pki = ensure_pki(folder, args.host)
     tokens = folder / "tokens.yaml"
     if not tokens.exists():
-        certs = {role: role_cert_name(role.value) for role in auth.Role}
-        auth.write_tokens_file(tokens, cert_names=certs)
+        write_tokens_file(tokens, cert_names=role_cert_names())
     if args.owner >= 0:
         for path in [folder, *folder.iterdir()]:
             os.chown(path, args.owner, -1)

@@ -97,11 +97,10 @@ def _auth(args: argparse.Namespace) -> tuple[str, str]:
     elif args.auth:
         path = Path(args.state_dir).resolve() / "tokens.yaml"
         if not path.exists():
-            from hpd_common.tlsgen import role_cert_name
+            from hpd_common.tlsgen import role_cert_names
 
             # the role certificates `--tls` makes (tls/role-<role>.pem) identify callers too
-            certs = {role: role_cert_name(role.value) for role in auth.Role}
-            auth.write_tokens_file(path, cert_names=certs)
+            auth.write_tokens_file(path, cert_names=role_cert_names())
             print(f"hpd: wrote a token per role to {path} (keep it secret)", flush=True)
     else:
         return "", ""

@@ -219,8 +219,6 @@ class SchedulerSettings(ServerSettings):
             )
         if not 0 < self.ewma_alpha <= 1:
             raise InvalidArgument("ewma_alpha", "must be in (0, 1]")
-        if not 0 <= self.redis_memory_limit_ratio < 1:
-            raise InvalidArgument("redis_memory_limit_ratio", "must be in [0, 1)")
 
 
 @dataclass(frozen=True, slots=True)
