@@ -49,11 +49,12 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-@pytest.fixture
+@pytest.fixture(params=["group-commit", "one-call-each"])
 async def replicas(
-    redis_server: EmbeddedRedis, registry: RegistryHandle
+    request: pytest.FixtureRequest, redis_server: EmbeddedRedis, registry: RegistryHandle
 ) -> AsyncIterator[list[str]]:
-    """Two scheduler processes on the suite's Redis and the test's registry."""
+    """Two scheduler processes on the suite's Redis and the test's registry, with group
+    commit (the default) and without it."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
         str(ROOT / "services" / d) for d in ("common", "registry", "scheduler", "kvbroker")
@@ -70,6 +71,8 @@ async def replicas(
             "--scheduler-id", f"replica-{i}", "--log-level", "warning",
             "--shutdown-grace-s", "0",
         ]  # fmt: skip
+        if request.param == "one-call-each":
+            args += ["--group-commit-max-batch", "1"]
         if i == 1:  # one plan only: a worker found full refuses at once (a record still)
             args += ["--max-plan-attempts", "1"]
         procs.append(subprocess.Popen(args, env=env, cwd=ROOT, stdout=subprocess.DEVNULL))  # noqa: ASYNC220
@@ -138,29 +141,39 @@ async def test_two_processes_never_hold_more_than_k(
                 if wid in {w.worker_id for w in recs.workers}:
                     break
                 await asyncio.sleep(0.05)
+        # 4K fresh ids, and the first K sent again at once to the other replica (retries
+        # racing their originals: with group commit, batches mix fresh, full and replayed)
+        ids = [f"k-{i}" for i in range(4 * K)] + [f"k-{i}" for i in range(K)]
         calls = [
-            status_of(stubs[i % 2].Schedule(sched(f"k-{i}", prompt=1000, output=24), timeout=10))
-            for i in range(4 * K)
+            status_of(stubs[i % 2].Schedule(sched(rid, prompt=1000, output=24), timeout=10))
+            for i, rid in enumerate(ids)
         ]
         results = await asyncio.gather(*calls)
-        ok = [resp for code, resp in results if code == grpc.StatusCode.OK]
         odd = [
             r.details()
             for code, r in results
             if code not in (grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED)
         ]
         assert not odd, odd[:3]
+        granted = {
+            rid: resp
+            for rid, (code, resp) in zip(ids, results, strict=True)
+            if code == grpc.StatusCode.OK
+        }
+        ok = list(granted.values())
         assert 1 <= len(ok) <= K
         assert await held(redis_server.url, registry.prefix) == len(ok) <= K
+        for rid, (code, resp) in zip(
+            ids, results, strict=True
+        ):  # an id granted twice: the same plan
+            if code == grpc.StatusCode.OK:
+                assert resp.plan.decode_worker_id == granted[rid].plan.decode_worker_id
         # every refusal has its REJECT record, also one refused because each attempt found
         # the worker fully reserved by the other replica
-        for i, (code, _) in enumerate(results):
-            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                got = await stubs[0].GetRouteRecord(
-                    s.GetRouteRecordRequest(request_id=f"k-{i}"), timeout=5
-                )
-                assert got.record.decision == s.ROUTE_DECISION_REJECT, got.record
-                assert got.record.reject_class == "saturated", got.record
+        for rid in set(ids) - set(granted):
+            got = await stubs[0].GetRouteRecord(s.GetRouteRecordRequest(request_id=rid), timeout=5)
+            assert got.record.decision == s.ROUTE_DECISION_REJECT, got.record
+            assert got.record.reject_class == "saturated", got.record
         # outcomes give the capacity back, to either replica (the planner keeps 20%
         # headroom over a request's KV, so with the worker full two releases are needed
         # before a third request fits again)

@@ -31,3 +31,8 @@ DIRECTIVES_SENT = Counter(
     "hpd_scheduler_directives_sent_total", "Directives sent through the registry.", ["kind"]
 )
 OUTCOMES = Counter("hpd_scheduler_outcomes_total", "Reported outcomes.", ["success"])
+GROUP_COMMIT_BATCH = Histogram(
+    "hpd_scheduler_group_commit_batch_size",
+    "Schedule reservations written per script call (group commit).",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+)

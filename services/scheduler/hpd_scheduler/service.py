@@ -71,6 +71,7 @@ from hpd_registry.keys import RegistryKeys
 from hpd_scheduler import metrics
 from hpd_scheduler.broker_client import KvSessionOpener, NoKvBroker, SessionRefused
 from hpd_scheduler.feedback import ObservedEstimates, observation_from
+from hpd_scheduler.group_commit import GroupCommit, GroupCommitSettings
 from hpd_scheduler.keys import SchedulerKeys
 from hpd_scheduler.kv_events import KvEventFollower
 from hpd_scheduler.policy import (
@@ -104,6 +105,7 @@ from hpd_scheduler.records import as_recompute, head_of, request_digest
 from hpd_scheduler.registry_client import DirectiveSender, GrpcDirectiveSender
 from hpd_scheduler.store import (
     ReservationAsk,
+    ReserveEntry,
     ReserveStatus,
     SchedulerStore,
     StoredRecord,
@@ -193,6 +195,20 @@ class SchedulerSettings(ServerSettings):
     informer_max_backoff_ms: int = field(
         default=2_000, metadata={"help": "longest wait between registry reconnects"}
     )
+    group_commit_max_batch: int = field(
+        default=64,
+        metadata={
+            "help": "most Schedule reservations written in one script call (group commit; "
+            "1 = off, every call its own)"
+        },
+    )
+    group_commit_wait_us: int = field(
+        default=200,
+        metadata={
+            "help": "longest a reservation waits for the batch in flight before a second "
+            "batch goes (0 = only when the batch in flight answers or the batch is full)"
+        },
+    )
     scheduler_id: str = field(default="", metadata={"help": "replica name in route records"})
     seed: int = field(default=0, metadata={"help": "seed of the planner's tie-breaking RNG"})
 
@@ -219,6 +235,14 @@ class SchedulerSettings(ServerSettings):
             )
         if not 0 < self.ewma_alpha <= 1:
             raise InvalidArgument("ewma_alpha", "must be in (0, 1]")
+        try:
+            self.group_commit().validate()
+        except ValueError as exc:
+            name = str(exc).split()[0]
+            raise InvalidArgument(name, str(exc).removeprefix(name).strip()) from None
+
+    def group_commit(self) -> GroupCommitSettings:
+        return GroupCommitSettings(self.group_commit_max_batch, self.group_commit_wait_us)
 
 
 @dataclass(frozen=True, slots=True)
@@ -385,6 +409,7 @@ class SchedulerService:
         self.rng = rng or random.Random(settings.seed)
         self.opener: KvSessionOpener = opener or NoKvBroker()
         self.store = SchedulerStore(client, SchedulerKeys(settings.key_prefix))
+        self.commits = GroupCommit(self.store, settings.group_commit(), settings.record_index_cap)
         self.scheduler_id = settings.scheduler_id or f"{socket.gethostname()}:{os.getpid()}"
         self.informer = informer or FleetInformer(
             settings.registry_target,
@@ -459,6 +484,7 @@ class SchedulerService:
             # logic; the loops also watch `_stopping`, so give them a moment to notice
             await asyncio.wait(self._tasks, timeout=1.0)
         self._tasks = []
+        await self.commits.close()
         with contextlib.suppress(Exception):
             await self._flush_explanations()
         await self._stop_informer()
@@ -729,10 +755,10 @@ class SchedulerService:
             # answers, and replaced by the totals it returns
             self._provisional(fleet, ask, +1)
             try:
-                res = await self.store.reserve_and_record(
+                res = await self.commits.reserve(ReserveEntry(
                     req.request_id, head, decision.kind.value, ask, now_ms,
-                    s.reservation_ttl_ms, s.record_ttl_ms, s.record_index_cap,
-                )  # fmt: skip
+                    s.reservation_ttl_ms, s.record_ttl_ms,
+                ))  # fmt: skip
             except Unavailable:
                 if session:
                     self._background(self.opener.abort(session, "reservation_failed"))
@@ -794,10 +820,10 @@ class SchedulerService:
         s = self.settings
         head = head_of(decision, req, tier, now_ms, self.scheduler_id, caller=_caller())
         try:
-            res = await self.store.reserve_and_record(
+            res = await self.commits.reserve(ReserveEntry(
                 req.request_id, head, "reject", None, now_ms,
-                s.reservation_ttl_ms, s.record_ttl_ms, s.record_index_cap,
-            )  # fmt: skip
+                s.reservation_ttl_ms, s.record_ttl_ms,
+            ))  # fmt: skip
         except Unavailable:
             log.warning("reject_record_lost", request_id=req.request_id)
             return None

@@ -61,59 +61,117 @@ local function purge(now, limit)
 end
 """
 
+# One reservation and record head (the body of both reserve scripts). KEYS[1..3] are the
+# totals, reservations and expiry keys; `rkey` the request's record key; `a` this entry's
+# arguments: 1 now_ms, 2 request id, 3 reservation ttl ms, 4 record ttl ms, 5 record head
+# JSON, 6 decision, 7 decode worker ('' = reserve nothing), 8 kv bytes, 9 kv capacity,
+# 10 slot capacity (-1 = unbounded), 11 prefill worker, 12 prefill tokens.
+# Returns {0, head} (replay), {1, kv, slots, tokens} (reserved), {2, kv, slots, tokens} (full).
+_RESERVE_ONE_FN = """
+local function reserve_one(rkey, index, a)
+  local now = tonumber(a[1])
+  local rid = a[2]
+  local prev = redis.call('HGET', rkey, 'p')
+  if prev and redis.call('HGET', rkey, 'd') ~= 'reject' then
+    return {0, prev}
+  end
+  local dw = a[7]
+  local k, n, t = 0, 0, 0
+  if dw ~= '' then
+    k = tonumber(redis.call('HGET', KEYS[1], 'k:' .. dw) or '0')
+    n = tonumber(redis.call('HGET', KEYS[1], 'n:' .. dw) or '0')
+    local pw = a[11]
+    t = tonumber(redis.call('HGET', KEYS[1], 't:' .. pw) or '0')
+    local slots = tonumber(a[10])
+    if k + tonumber(a[8]) > tonumber(a[9]) or (slots >= 0 and n + 1 > slots) then
+      return {2, k, n, t}
+    end
+    k = redis.call('HINCRBY', KEYS[1], 'k:' .. dw, a[8])
+    n = redis.call('HINCRBY', KEYS[1], 'n:' .. dw, 1)
+    if tonumber(a[12]) > 0 then
+      t = redis.call('HINCRBY', KEYS[1], 't:' .. pw, a[12])
+    end
+    redis.call('HSET', KEYS[2], rid, dw .. '|' .. a[8] .. '|' .. pw .. '|' .. a[12])
+    redis.call('ZADD', KEYS[3], now + tonumber(a[3]), rid)
+  end
+  redis.call('HDEL', rkey, 'x', 'o')
+  redis.call('HSET', rkey, 'p', a[5], 'd', a[6])
+  redis.call('PEXPIRE', rkey, a[4])
+  redis.call('ZADD', index, now, rid)
+  return {1, k, n, t}
+end
+-- the oldest records leave the index and the store together, so records are bounded by
+-- the cap whatever the request rate; never one younger than a reservation's TTL (it is
+-- the idempotency key of a plan that may still be retried). Same hash tag, same slot.
+local function trim_index(index, base, now, ttl, cap)
+  local over = redis.call('ZCARD', index) - cap
+  if over <= 0 then return end
+  local old = redis.call('ZRANGEBYSCORE', index, '-inf', now - ttl, 'LIMIT', 0, over)
+  for _, id in ipairs(old) do
+    redis.call('DEL', base .. id)
+    redis.call('ZREM', index, id)
+  end
+end
+"""
+
 # KEYS: 1 totals, 2 reservations, 3 expiry, 4 record, 5 index.
 # ARGV: 1 now_ms, 2 request id, 3 reservation ttl ms, 4 record ttl ms, 5 index cap,
 #       6 record head JSON, 7 decision, 8 decode worker ('' = reserve nothing),
 #       9 kv bytes, 10 kv capacity, 11 slot capacity (-1 = unbounded), 12 prefill worker,
 #       13 prefill tokens, 14 purge limit.
-# Returns {0, head} (replay), {1, kv, slots, tokens} (reserved), {2, kv, slots, tokens} (full).
+# Returns what `reserve_one` returns.
 _RESERVE = (
     _RELEASE_FN
+    + _RESERVE_ONE_FN
     + """
-local now = tonumber(ARGV[1])
-local rid = ARGV[2]
 local prev = redis.call('HGET', KEYS[4], 'p')
-if prev and redis.call('HGET', KEYS[4], 'd') ~= 'reject' then
-  return {0, prev}
+if not (prev and redis.call('HGET', KEYS[4], 'd') ~= 'reject') then
+  purge(tonumber(ARGV[1]), tonumber(ARGV[14]))
 end
-purge(now, tonumber(ARGV[14]))
-local dw = ARGV[8]
-local k, n, t = 0, 0, 0
-if dw ~= '' then
-  k = tonumber(redis.call('HGET', KEYS[1], 'k:' .. dw) or '0')
-  n = tonumber(redis.call('HGET', KEYS[1], 'n:' .. dw) or '0')
-  local pw = ARGV[12]
-  t = tonumber(redis.call('HGET', KEYS[1], 't:' .. pw) or '0')
-  local slots = tonumber(ARGV[11])
-  if k + tonumber(ARGV[9]) > tonumber(ARGV[10]) or (slots >= 0 and n + 1 > slots) then
-    return {2, k, n, t}
-  end
-  k = redis.call('HINCRBY', KEYS[1], 'k:' .. dw, ARGV[9])
-  n = redis.call('HINCRBY', KEYS[1], 'n:' .. dw, 1)
-  if tonumber(ARGV[13]) > 0 then
-    t = redis.call('HINCRBY', KEYS[1], 't:' .. pw, ARGV[13])
-  end
-  redis.call('HSET', KEYS[2], rid, dw .. '|' .. ARGV[9] .. '|' .. pw .. '|' .. ARGV[13])
-  redis.call('ZADD', KEYS[3], now + tonumber(ARGV[3]), rid)
+local out = reserve_one(KEYS[4], KEYS[5], {ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[6],
+  ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11], ARGV[12], ARGV[13]})
+if out[1] == 1 then
+  local base = string.sub(KEYS[4], 1, #KEYS[4] - #ARGV[2])
+  trim_index(KEYS[5], base, tonumber(ARGV[1]), tonumber(ARGV[3]), tonumber(ARGV[5]))
 end
-redis.call('HDEL', KEYS[4], 'x', 'o')
-redis.call('HSET', KEYS[4], 'p', ARGV[6], 'd', ARGV[7])
-redis.call('PEXPIRE', KEYS[4], ARGV[4])
-redis.call('ZADD', KEYS[5], now, rid)
-local over = redis.call('ZCARD', KEYS[5]) - tonumber(ARGV[5])
-if over > 0 then
-  -- the oldest records leave the index and the store together, so records are bounded by
-  -- the cap whatever the request rate; never one younger than a reservation's TTL (it is
-  -- the idempotency key of a plan that may still be retried). Same hash tag, same slot.
-  local base = string.sub(KEYS[4], 1, #KEYS[4] - #rid)
-  local old = redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', now - tonumber(ARGV[3]),
-    'LIMIT', 0, over)
-  for _, id in ipairs(old) do
-    redis.call('DEL', base .. id)
-    redis.call('ZREM', KEYS[5], id)
-  end
+return out
+"""
+)
+
+# Group commit: many `Schedule` calls' reservations in one script call, each entry
+# exactly as `_RESERVE` would do it alone, in order (so a later entry sees what an earlier
+# one reserved: two entries for one worker can never together pass its capacity, and a
+# request id twice in one batch is a replay the second time).
+# KEYS: 1 totals, 2 reservations, 3 expiry, 4 index, then one record key per entry.
+# ARGV: 1 purge limit, 2 index cap, 3 fields per entry (12), then the entries' arguments
+# (as `reserve_one` takes them). Returns one `reserve_one` answer per entry.
+_RESERVE_BATCH = (
+    _RELEASE_FN
+    + _RESERVE_ONE_FN
+    + """
+local width = tonumber(ARGV[3])
+local n = (#ARGV - 3) / width
+local now = 0
+for i = 1, n do
+  local v = tonumber(ARGV[3 + (i - 1) * width + 1])
+  if v > now then now = v end
 end
-return {1, k, n, t}
+purge(now, tonumber(ARGV[1]))
+local out = {}
+local trim = nil
+for i = 1, n do
+  local a = {}
+  for j = 1, width do a[j] = ARGV[3 + (i - 1) * width + j] end
+  out[i] = reserve_one(KEYS[4 + i], KEYS[4], a)
+  if out[i][1] == 1 then trim = i end
+end
+if trim then
+  local a2 = ARGV[3 + (trim - 1) * width + 2]
+  local rkey = KEYS[4 + trim]
+  local ttl = tonumber(ARGV[3 + (trim - 1) * width + 3])
+  trim_index(KEYS[4], string.sub(rkey, 1, #rkey - #a2), now, ttl, tonumber(ARGV[2]))
+end
+return out
 """
 )
 
@@ -201,6 +259,41 @@ class ReservationAsk:
 
 
 @dataclass(frozen=True, slots=True)
+class ReserveEntry:
+    """One `Schedule` call's reservation and record head, as `reserve_and_record` takes
+    them; a batch of these is one script call (`SchedulerStore.reserve_batch`)."""
+
+    request_id: str
+    head: Mapping[str, Any]
+    decision: str
+    ask: ReservationAsk | None
+    now_ms: int
+    reservation_ttl_ms: int
+    record_ttl_ms: int
+
+    def args(self) -> list[Any]:
+        a = self.ask or _NO_ASK
+        return [
+            self.now_ms, self.request_id, self.reservation_ttl_ms, self.record_ttl_ms,
+            dumps(self.head), self.decision, a.decode_worker_id, a.kv_bytes, a.kv_capacity,
+            a.slot_capacity, a.prefill_worker_id, a.prefill_tokens,
+        ]  # fmt: skip
+
+
+_NO_ASK = ReservationAsk("", 0, 0, -1, "", 0)
+_ENTRY_WIDTH = 12  # ReserveEntry.args(); the batch script reads this many per entry
+
+
+def _reserve_result(out: Sequence[Any]) -> ReserveResult:
+    status = ReserveStatus(int(out[0]))
+    if status is ReserveStatus.REPLAY:
+        return ReserveResult(status, head=_json(out[1]))
+    return ReserveResult(
+        status, decode=Totals(int(out[1]), int(out[2])), prefill_tokens=int(out[3])
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class OutcomeResult:
     released: bool
     record_found: bool
@@ -241,6 +334,7 @@ class SchedulerStore:
         self.client = client
         self.keys = keys
         self._reserve = client.register_script(_RESERVE)
+        self._reserve_batch = client.register_script(_RESERVE_BATCH)
         self._outcome = client.register_script(_OUTCOME)
         self._purge = client.register_script(_PURGE)
         self._explain = client.register_script(_EXPLAIN)
@@ -267,33 +361,38 @@ class SchedulerStore:
         """The hot path's one round trip (module docstring). ``ask`` None records a
         rejection and reserves nothing."""
         k = self.keys
-        a = ask or ReservationAsk("", 0, 0, -1, "", 0)
+        e = ReserveEntry(request_id, head, decision, ask, now_ms, reservation_ttl_ms, record_ttl_ms)
+        a = e.args()
         out = await self._run(
             self._reserve,
             [k.totals, k.reservations, k.expiry, k.record(request_id), k.index],
+            [*a[:4], index_cap, *a[4:], purge_limit],
+        )
+        return _reserve_result(out)
+
+    async def reserve_batch(
+        self, entries: Sequence[ReserveEntry], index_cap: int, purge_limit: int = 64
+    ) -> list[ReserveResult]:
+        """Group commit: every entry reserved and recorded as `reserve_and_record` would
+        do it alone, in order, in one script call (one round trip for the batch)."""
+        if not entries:
+            return []
+        k = self.keys
+        args: list[Any] = [purge_limit, index_cap, _ENTRY_WIDTH]
+        for e in entries:
+            args.extend(e.args())
+        out = await self._run(
+            self._reserve_batch,
             [
-                now_ms,
-                request_id,
-                reservation_ttl_ms,
-                record_ttl_ms,
-                index_cap,
-                dumps(head),
-                decision,
-                a.decode_worker_id,
-                a.kv_bytes,
-                a.kv_capacity,
-                a.slot_capacity,
-                a.prefill_worker_id,
-                a.prefill_tokens,
-                purge_limit,
+                k.totals,
+                k.reservations,
+                k.expiry,
+                k.index,
+                *(k.record(e.request_id) for e in entries),
             ],
+            args,
         )
-        status = ReserveStatus(int(out[0]))
-        if status is ReserveStatus.REPLAY:
-            return ReserveResult(status, head=_json(out[1]))
-        return ReserveResult(
-            status, decode=Totals(int(out[1]), int(out[2])), prefill_tokens=int(out[3])
-        )
+        return [_reserve_result(row) for row in out]
 
     async def report_outcome(
         self, request_id: str, outcome: Mapping[str, Any], owner: str = ""
