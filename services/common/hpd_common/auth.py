@@ -104,6 +104,7 @@ ACCESS: Mapping[str, str | frozenset[Role]] = {
     "RegistryService/ListPools": READ,
     "RegistryService/WatchWorkers": READ,
     "SchedulerService/Schedule": frozenset({G}),
+    "SchedulerService/ScheduleStream": frozenset({G}),
     "SchedulerService/ReportOutcome": frozenset({G}),  # its own requests only
     "SchedulerService/ReloadPolicy": frozenset(),
     "SchedulerService/GetRouteRecord": READ,
@@ -131,6 +132,7 @@ NOT_AUDITED = frozenset(
         "RegistryService/StreamHeartbeats",
         "RegistryService/ReportKvEvents",
         "SchedulerService/Schedule",
+        "SchedulerService/ScheduleStream",
         "SchedulerService/ReportOutcome",
         "KvBrokerService/ReportProgress",
     }

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
+import structlog
 
 from hetero_pd.v1 import scheduler_pb2 as s
 from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
-from hpd_common import rpc
+from hpd_common import metrics, rpc
 from hpd_common.errors import InvalidArgument
+from hpd_common.logging import get_logger
 from hpd_common.server import ServiceComponent
 from hpd_scheduler import convert as cv
 from hpd_scheduler.service import SchedulerService
+
+log = get_logger("scheduler.api")
 
 SERVICE_NAME = s.DESCRIPTOR.services_by_name["SchedulerService"].full_name
 
@@ -26,6 +31,71 @@ class SchedulerApi(s_grpc.SchedulerServiceServicer):
     async def Schedule(self, request: s.ScheduleRequest, context: Any) -> s.ScheduleResponse:
         out = await self.svc.schedule(cv.request_from_pb(request))
         return s.ScheduleResponse(plan=cv.plan_to_pb(out.head), replayed=out.replayed)
+
+    @rpc.stream_stream
+    async def ScheduleStream(
+        self, requests: AsyncIterator[s.ScheduleRequest], context: Any
+    ) -> AsyncIterator[s.ScheduleStreamResponse]:
+        """Reads requests while fewer than ``stream_max_in_flight`` are being decided, decides
+        each in a task of its own (so a slow one holds up none), and writes the answers as
+        they come (one writer: the stream)."""
+        limit = asyncio.Semaphore(self.svc.settings.stream_max_in_flight)
+        answers: asyncio.Queue[s.ScheduleStreamResponse | None] = asyncio.Queue()
+        tasks: set[asyncio.Task[None]] = set()
+
+        async def decide(req: s.ScheduleRequest) -> None:
+            try:
+                answers.put_nowait(await self._decide(req))
+            finally:
+                limit.release()
+
+        async def read() -> None:
+            try:
+                async for req in requests:
+                    await limit.acquire()
+                    task = asyncio.ensure_future(decide(req))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                if tasks:
+                    await asyncio.gather(*tasks, return_exceptions=True)
+            finally:
+                answers.put_nowait(None)
+
+        reader = asyncio.ensure_future(read())
+        try:
+            while (answer := await answers.get()) is not None:
+                yield answer
+            await reader  # a broken request stream ends the call with its error
+        finally:
+            reader.cancel()
+            for task in list(tasks):
+                task.cancel()
+
+    async def _decide(self, request: s.ScheduleRequest) -> s.ScheduleStreamResponse:
+        """One stream item: Schedule's answer, or its status as a ScheduleError."""
+        rid = request.request_id
+        structlog.contextvars.bind_contextvars(request_id=rid[:128])
+        try:
+            out = await self.svc.schedule(cv.request_from_pb(request))
+        except Exception as exc:  # what Schedule would have returned as a status
+            code, message, trailers = rpc.status_for(exc)
+            if code is grpc.StatusCode.INTERNAL:
+                log.error("schedule_stream_item_failed", exc_info=exc)
+            meta = dict(trailers)
+            metrics.RPC_ERRORS.labels(method="ScheduleStream", code=code.name).inc()
+            return s.ScheduleStreamResponse(
+                request_id=rid,
+                error=s.ScheduleError(
+                    code=code.value[0],
+                    message=message,
+                    retry_after_ms=int(meta.get("retry-after-ms", "0") or 0),
+                    field=meta.get("hpd-field", ""),
+                ),
+            )
+        return s.ScheduleStreamResponse(
+            request_id=rid,
+            response=s.ScheduleResponse(plan=cv.plan_to_pb(out.head), replayed=out.replayed),
+        )
 
     @rpc.unary
     async def ReportOutcome(

@@ -209,6 +209,13 @@ class SchedulerSettings(ServerSettings):
             "batch goes (0 = only when the batch in flight answers or the batch is full)"
         },
     )
+    stream_max_in_flight: int = field(
+        default=256,
+        metadata={
+            "help": "most requests of one ScheduleStream decided at a time (no more are read "
+            "until one is answered)"
+        },
+    )
     scheduler_id: str = field(default="", metadata={"help": "replica name in route records"})
     seed: int = field(default=0, metadata={"help": "seed of the planner's tie-breaking RNG"})
 
@@ -223,6 +230,7 @@ class SchedulerSettings(ServerSettings):
             "reservation_sync_interval_ms",
             "max_plan_attempts",
             "broker_timeout_ms",
+            "stream_max_in_flight",
         )
         for name in positive:
             if getattr(self, name) <= 0:

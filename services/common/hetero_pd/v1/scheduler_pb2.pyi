@@ -167,6 +167,28 @@ class ScheduleResponse(_message.Message):
     replayed: bool
     def __init__(self, plan: _Optional[_Union[RoutePlan, _Mapping]] = ..., replayed: bool = ...) -> None: ...
 
+class ScheduleStreamResponse(_message.Message):
+    __slots__ = ("request_id", "response", "error")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    response: ScheduleResponse
+    error: ScheduleError
+    def __init__(self, request_id: _Optional[str] = ..., response: _Optional[_Union[ScheduleResponse, _Mapping]] = ..., error: _Optional[_Union[ScheduleError, _Mapping]] = ...) -> None: ...
+
+class ScheduleError(_message.Message):
+    __slots__ = ("code", "message", "retry_after_ms", "field")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
+    FIELD_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    retry_after_ms: int
+    field: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., retry_after_ms: _Optional[int] = ..., field: _Optional[str] = ...) -> None: ...
+
 class ReportOutcomeRequest(_message.Message):
     __slots__ = ("request_id", "success", "error_class", "ttft_ms", "tpot_ms", "mode_used", "prefill_ms", "transfer_ms", "output_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -47,6 +47,11 @@ class SchedulerServiceStub(object):
                 request_serializer=hetero__pd_dot_v1_dot_scheduler__pb2.ScheduleRequest.SerializeToString,
                 response_deserializer=hetero__pd_dot_v1_dot_scheduler__pb2.ScheduleResponse.FromString,
                 _registered_method=True)
+        self.ScheduleStream = channel.stream_stream(
+                '/hetero_pd.v1.SchedulerService/ScheduleStream',
+                request_serializer=hetero__pd_dot_v1_dot_scheduler__pb2.ScheduleRequest.SerializeToString,
+                response_deserializer=hetero__pd_dot_v1_dot_scheduler__pb2.ScheduleStreamResponse.FromString,
+                _registered_method=True)
         self.ReportOutcome = channel.unary_unary(
                 '/hetero_pd.v1.SchedulerService/ReportOutcome',
                 request_serializer=hetero__pd_dot_v1_dot_scheduler__pb2.ReportOutcomeRequest.SerializeToString,
@@ -97,6 +102,21 @@ class SchedulerServiceServicer(object):
         stage or capability missing); RESOURCE_EXHAUSTED (with a `retry-after-ms` trailer)
         when capable workers exist but are saturated, or the tier is throttled or shed;
         UNAVAILABLE when the fleet view is too stale or the reservation cannot be written.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ScheduleStream(self, request_iterator, context):
+        """Schedule for gateways: many requests over one stream. Every request is answered by
+        exactly one ScheduleStreamResponse carrying its request id, with the plan or the
+        status Schedule would have returned for it; answers come in the order they are
+        decided, not the order sent. The server decides at most `stream_max_in_flight`
+        requests of one stream at a time and reads no more until one is answered (HTTP/2
+        flow control then holds the sender back). Retrying a request id (on this stream, on a
+        new one after a broken stream, or through Schedule) is safe: it replays the plan.
+        The stream itself ends with a status only for a stream-wide failure (the server
+        shutting down, a caller not allowed to schedule).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -155,6 +175,11 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
                     servicer.Schedule,
                     request_deserializer=hetero__pd_dot_v1_dot_scheduler__pb2.ScheduleRequest.FromString,
                     response_serializer=hetero__pd_dot_v1_dot_scheduler__pb2.ScheduleResponse.SerializeToString,
+            ),
+            'ScheduleStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.ScheduleStream,
+                    request_deserializer=hetero__pd_dot_v1_dot_scheduler__pb2.ScheduleRequest.FromString,
+                    response_serializer=hetero__pd_dot_v1_dot_scheduler__pb2.ScheduleStreamResponse.SerializeToString,
             ),
             'ReportOutcome': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportOutcome,
@@ -222,6 +247,33 @@ class SchedulerService(object):
             '/hetero_pd.v1.SchedulerService/Schedule',
             hetero__pd_dot_v1_dot_scheduler__pb2.ScheduleRequest.SerializeToString,
             hetero__pd_dot_v1_dot_scheduler__pb2.ScheduleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ScheduleStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/hetero_pd.v1.SchedulerService/ScheduleStream',
+            hetero__pd_dot_v1_dot_scheduler__pb2.ScheduleRequest.SerializeToString,
+            hetero__pd_dot_v1_dot_scheduler__pb2.ScheduleStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,
