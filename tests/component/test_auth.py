@@ -316,6 +316,17 @@ async def test_a_gateway_reports_outcomes_of_its_own_requests_only(plane: Plane)
     # the gateway that asked: accepted, and its report is the one kept
     got = await gw1.ReportOutcome(outcome, timeout=5)
     assert got.released and got.first_report
+    # planned over ScheduleStream: the record names the gateway on the stream just the same
+    req2 = s.ScheduleRequest(
+        request_id="auth-r2", model_id="llama-3-8b", prompt_tokens=1000, expected_output_tokens=50
+    )
+    (answer,) = [a async for a in gw1.ScheduleStream(iter([req2]), timeout=5)]
+    assert answer.response.plan.decode_worker_id == "auth-dec", answer
+    outcome2 = s.ReportOutcomeRequest(request_id="auth-r2", success=True, ttft_ms=50, tpot_ms=10)
+    assert await code_of(gw2.ReportOutcome(outcome2, timeout=5)) == (
+        grpc.StatusCode.PERMISSION_DENIED
+    )
+    assert (await gw1.ReportOutcome(outcome2, timeout=5)).released
     # a policy switch is an operator's, not a gateway's
     assert (
         await code_of(gw1.ReloadPolicy(s.ReloadPolicyRequest(builtin_profile="random"), timeout=5))

@@ -162,3 +162,66 @@ async def test_a_client_that_goes_away_mid_stream_leaves_the_server_serving(
     call.cancel()
     resp = await scheduler.stub.Schedule(sched("after-gone"), timeout=5)
     assert resp.plan.request_id == "after-gone"
+
+
+# -- the gateway's client ----------------------------------------------------------------------
+
+
+def unary_schedules() -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("hpd_rpc_seconds_count", {"method": "Schedule"}) or 0.0
+
+
+async def test_the_gateway_plans_over_one_stream(scheduler: SchedulerHandle) -> None:
+    from hpd_gateway.control_client import ControlPlane
+
+    await hetero_fleet(scheduler)
+    cp = ControlPlane(scheduler.target, "127.0.0.1:1", "127.0.0.1:1", timeout_s=5)
+    try:
+        before = unary_schedules()
+        plans = await asyncio.gather(
+            *(cp.schedule(f"gw-{i}", "llama-3-8b", 800, 64, "standard") for i in range(20))
+        )
+        assert [p.request_id for p in plans] == [f"gw-{i}" for i in range(20)]
+        assert all(p.steps[0].decode_worker for p in plans)
+        assert unary_schedules() == before  # not one unary Schedule
+        with pytest.raises(Exception) as refused:
+            await cp.schedule("gw-x", "no-such-model", 800, 64, "standard")
+        assert getattr(refused.value, "status", None) == 404
+    finally:
+        await cp.close()
+
+
+async def test_a_broken_stream_retries_its_waiting_requests_unary(
+    scheduler: SchedulerHandle,
+) -> None:
+    from hpd_gateway.control_client import ControlPlane
+
+    await hetero_fleet(scheduler)
+    svc = scheduler.service
+    assert svc is not None
+    planned = svc.schedule
+    held = asyncio.Event()
+
+    async def hold_the_first(req: Any) -> Any:
+        if req.request_id == "br-0" and not held.is_set():
+            held.set()
+            await asyncio.sleep(30)  # the stream breaks while this one waits
+        return await planned(req)
+
+    svc.schedule = hold_the_first  # type: ignore[method-assign]
+    cp = ControlPlane(scheduler.target, "127.0.0.1:1", "127.0.0.1:1", timeout_s=5)
+    try:
+        before = unary_schedules()
+        waiting = asyncio.ensure_future(cp.schedule("br-0", "llama-3-8b", 800, 64, "standard"))
+        await asyncio.wait_for(held.wait(), 5)
+        assert cp.stream is not None and cp.stream._call is not None
+        cp.stream._call.cancel()  # the connection lost, as far as the client can tell
+        plan = await asyncio.wait_for(waiting, 5)
+        assert plan.request_id == "br-0"
+        assert unary_schedules() == before + 1  # retried unary, under the same id
+        again = await cp.schedule("br-1", "llama-3-8b", 800, 64, "standard")  # a new stream
+        assert again.request_id == "br-1" and unary_schedules() == before + 1
+    finally:
+        await cp.close()

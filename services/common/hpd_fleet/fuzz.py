@@ -329,6 +329,13 @@ class Fuzzer:
             finally:
                 stream.cancel()
 
+        def schedule_stream(req: Message) -> Any:
+            stream = self.sched.ScheduleStream(iter([req]), timeout=5)
+            try:
+                return next(iter(stream), None)
+            finally:
+                stream.cancel()
+
         p, d = sd.prefill, sd.decode
         return {
             "RegisterWorker": (
@@ -400,6 +407,10 @@ class Fuzzer:
             "Schedule": (
                 lambda: self._schedule_request(fresh_id("req")),
                 unary(self.sched.Schedule),
+            ),
+            "ScheduleStream": (
+                lambda: self._schedule_request(fresh_id("req")),
+                schedule_stream,
             ),
             "ReportOutcome": (
                 lambda: s.ReportOutcomeRequest(

@@ -72,6 +72,13 @@ class GatewaySettings(CallSettings):
     max_concurrent: int = field(
         default=1024, metadata={"help": "requests in flight; past it 429 with Retry-After"}
     )
+    schedule_stream: bool = field(
+        default=True,
+        metadata={
+            "help": "plan every request over one ScheduleStream to the scheduler (false: a "
+            "unary Schedule call per request)"
+        },
+    )
     rpc_timeout_ms: int = field(default=2000, metadata={"help": "deadline of control-plane RPCs"})
     connect_timeout_s: float = field(default=2.0, metadata={"help": "engine connect timeout"})
     read_timeout_s: float = field(
@@ -103,6 +110,7 @@ async def serve(s: GatewaySettings, ready: asyncio.Event | None = None) -> None:
         s.gateway_token,
         timeout_s=s.rpc_timeout_ms / 1000,
         identity=s.call_identity(),
+        stream=s.schedule_stream,
     )
     engines = EngineHttp(s.connect_timeout_s, s.read_timeout_s)
     await control.start()

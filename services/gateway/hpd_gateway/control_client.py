@@ -23,6 +23,7 @@ from hpd_registry.domain import Stage
 
 from .plan import RECOMPUTE, SAME_POOL, TRANSFER, Outcome, Plan, Step
 from .protocol import GatewayError
+from .schedule_stream import ScheduleStreamClient, StreamBroken
 
 __all__ = ["ControlPlane"]
 
@@ -77,6 +78,7 @@ class ControlPlane:
         gateway_token: str = "",
         timeout_s: float = 2.0,
         identity: CallIdentity | None = None,
+        stream: bool = True,
     ) -> None:
         self._sched_ch = aio_channel(scheduler, identity, CLIENT_OPTIONS)
         self._broker_ch = aio_channel(broker, identity, CLIENT_OPTIONS)
@@ -87,11 +89,14 @@ class ControlPlane:
         # configured gateway token (development) accepts any, so a placeholder serves there
         self._caller = kb.SessionCaller(gateway_token=gateway_token or "gateway")
         self.timeout_s = timeout_s
+        self.stream = ScheduleStreamClient(self.scheduler) if stream else None
 
     async def start(self) -> None:
         await self.fleet.start()
 
     async def close(self) -> None:
+        if self.stream is not None:
+            await self.stream.close()
         await self.fleet.stop()
         await self._sched_ch.close()
         await self._broker_ch.close()
@@ -138,10 +143,26 @@ class ControlPlane:
             prefix_block_hashes=list(prefix),
             prefix_block_tokens=block_tokens if prefix else 0,
         )
+        if self.stream is not None:
+            try:
+                answer = await self.stream.schedule(req, self.timeout_s)
+            except TimeoutError:
+                raise _http_error(grpc.StatusCode.DEADLINE_EXCEEDED, "", 0, model) from None
+            except StreamBroken:
+                pass  # retried unary below, under the same request id (idempotent)
+            else:
+                if answer.WhichOneof("result") == "response":
+                    return plan_of(answer.response.plan)
+                err = answer.error
+                raise _http_error(_CODES.get(err.code, grpc.StatusCode.UNKNOWN), err.message,
+                                  err.retry_after_ms, model)  # fmt: skip
         try:
             resp = await self.scheduler.Schedule(req, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
-            raise _http_error(exc, model) from exc
+            retry = dict(exc.trailing_metadata() or ()).get("retry-after-ms", "0")
+            raise _http_error(
+                exc.code(), exc.details() or "", int(retry) if str(retry).isdigit() else 0, model
+            ) from exc
         return plan_of(resp.plan)
 
     async def report(self, request_id: str, out: Outcome) -> None:
@@ -205,12 +226,17 @@ class ControlPlane:
             log.info("session_not_ended", session_id=session_id, code=exc.code().name)
 
 
-def _http_error(exc: grpc.aio.AioRpcError, model: str) -> GatewayError:
-    code, details = exc.code(), exc.details() or ""
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def _http_error(
+    code: grpc.StatusCode, details: str, retry_after_ms: int, model: str
+) -> GatewayError:
+    """A scheduler refusal as the HTTP answer a client understands (module docstring)."""
     if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
         return GatewayError(
             429, details or "the fleet is saturated", type_="rate_limit_error",
-            code="rate_limited", retry_after_s=1,
+            code="rate_limited", retry_after_s=max(1, -(-retry_after_ms // 1000)),
         )  # fmt: skip
     if code is grpc.StatusCode.FAILED_PRECONDITION and "no_worker_for_model" in details:
         return GatewayError(

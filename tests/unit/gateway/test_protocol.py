@@ -424,10 +424,6 @@ def test_the_prefill_drops_min_tokens() -> None:
     assert decode_body(req, None)["min_tokens"] == 5
 
 
-def _refusal(code: grpc.StatusCode, details: str) -> Any:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
-
-
 @pytest.mark.parametrize(
     ("code", "details", "status", "error_code"),
     [
@@ -453,5 +449,13 @@ def test_scheduler_statuses_become_openai_errors(
 ) -> None:
     from hpd_gateway.control_client import _http_error
 
-    err = _http_error(_refusal(code, details), "tiny")
+    err = _http_error(code, details, 0, "tiny")
     assert (err.status, err.body()["error"]["code"]) == (status, error_code)
+
+
+@pytest.mark.parametrize(("retry_ms", "seconds"), [(0, 1), (1, 1), (1000, 1), (2500, 3)])
+def test_a_saturated_answer_carries_the_schedulers_retry_delay(retry_ms: int, seconds: int) -> None:
+    from hpd_gateway.control_client import _http_error
+
+    err = _http_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "saturated", retry_ms, "m")
+    assert err.status == 429 and err.retry_after_s == seconds
