@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
 from hpd_common import auth, redis_conn
+from hpd_common.embedded_redis import free_port
 from hpd_common.logging import get_logger
 from hpd_common.server import GrpcServer
 
@@ -49,6 +51,11 @@ class ControlPlaneSettings:
     scheduler_id: str = "demo"
     log_level: str = "warning"
     scheduler_extra: dict[str, object] = field(default_factory=dict)
+    # scheduler processes on the scheduler port (hpd_scheduler.processes): this process
+    # serves as process 0, the others are children; process i's metrics on
+    # metrics_port + i (this process's own /metrics is the caller's to serve)
+    scheduler_processes: int = 1
+    metrics_port: int = 0
     # auth (hpd_common.auth): the tokens file every service checks callers against, and the
     # token the scheduler and the broker present to the others ('' = auth off)
     auth_tokens_file: str = ""
@@ -145,6 +152,7 @@ class ControlPlane:
         self.registry: GrpcServer | None = None
         self.kvbroker: GrpcServer | None = None
         self.scheduler: GrpcServer | None = None
+        self.scheduler_children: Any = None  # hpd_scheduler.processes.SchedulerProcesses
 
     def _target(self, server: GrpcServer | None) -> str:
         if server is None:
@@ -229,9 +237,12 @@ class ControlPlane:
             redis_conn.connect(s.redis_url),
         )
         await self.kvbroker.start()
+        many = s.scheduler_processes > 1
         sched_settings = SchedulerSettings(
             host=s.host,
-            port=s.scheduler_port,
+            port=s.scheduler_port or (free_port() if many else 0),
+            processes=s.scheduler_processes,
+            metrics_port=s.metrics_port if many else 0,
             redis_url=s.redis_url,
             key_prefix=s.key_prefix,
             registry_target=self.registry_target,
@@ -248,6 +259,12 @@ class ControlPlane:
             call_token=s.service_token,
             **s.scheduler_extra,  # type: ignore[arg-type]
         )
+        if many:
+            from hpd_scheduler.processes import SchedulerProcesses, child_settings
+
+            self.scheduler_children = SchedulerProcesses(sched_settings, first=1)
+            await asyncio.to_thread(self.scheduler_children.start)
+            sched_settings = dataclasses.replace(child_settings(sched_settings, 0), metrics_port=0)
         opener = InProcessKvBroker(
             self.kvbroker.component.service,  # type: ignore[attr-defined]
             sched_settings.broker_token,
@@ -260,6 +277,9 @@ class ControlPlane:
 
     async def stop(self, grace_s: float | None = 0) -> None:
         """Stops the servers in reverse order; grace_s None = each server's own grace."""
+        if self.scheduler_children is not None:
+            await asyncio.to_thread(self.scheduler_children.stop)
+            self.scheduler_children = None
         for server in reversed(self.servers):
             with contextlib.suppress(Exception):
                 await server.stop(grace_s)

@@ -203,8 +203,12 @@ class GrpcServer:
         component: Component,
         redis: aioredis.Redis | None,
         probe_interval_s: float = 0.5,
+        reuse_port: bool = False,
     ) -> None:
         self.name = name
+        self.reuse_port = reuse_port
+        """Bind with SO_REUSEPORT (several processes serving one port); else a port
+        already in use is an error."""
         self.settings = settings
         self.component = component
         self.redis = redis
@@ -225,7 +229,11 @@ class GrpcServer:
         )
         if not interceptors:
             log.info("auth_off", service=self.name, detail="every caller may do everything")
-        server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
+        options = [
+            ("grpc.so_reuseport", 1) if k == "grpc.so_reuseport" and self.reuse_port else (k, v)
+            for k, v in SERVER_OPTIONS
+        ]
+        server = grpc.aio.server(options=options, interceptors=interceptors)
         self.component.add_to_server(server)
         diagnostics_pb2_grpc.add_DiagnosticsServiceServicer_to_server(
             DiagnosticsApi(self.redis), server
@@ -346,11 +354,14 @@ def serve_main(
     description: str,
     settings_cls: type[Any],
     build: Callable[[Any], GrpcServer],
+    prepare: Callable[[Any], Any] | None = None,
 ) -> int:
     """The `hpd <service>` entry point every service shares: flags, environment and YAML
     settings, logging, metrics, then the server built inside the running event loop (a
     grpc.aio channel or task made before it would belong to no loop) until SIGTERM/SIGINT.
-    A bad setting prints one line naming it and exits 2."""
+    A bad setting prints one line naming it and exits 2. ``prepare`` (optional) sees the
+    settings first and returns the settings to serve with, or an int: the exit code of a
+    process that did its work another way (a supervisor of several servers)."""
     import argparse
     import sys
 
@@ -364,6 +375,11 @@ def serve_main(
     try:
         settings = load_settings(settings_cls, args)
         configure_logging(settings.log_level, settings.json_logs)
+        if prepare is not None:
+            prepared = prepare(settings)
+            if isinstance(prepared, int):
+                return prepared
+            settings = prepared
     except (InvalidArgument, ValueError) as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2

@@ -55,6 +55,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--registry-port", type=int, default=50051)
     p.add_argument("--scheduler-port", type=int, default=50052)
     p.add_argument("--kvbroker-port", type=int, default=50053)
+    p.add_argument(
+        "--scheduler-processes",
+        type=int,
+        default=1,
+        help="scheduler processes on the scheduler port, one per core (SO_REUSEPORT; each its "
+        "own fleet view, sharing Redis like replicas); process i's metrics on "
+        "--metrics-port + i. Clients spread over them by connection: open several",
+    )
     p.add_argument("--metrics-port", type=int, default=9451, help="Prometheus port (0 = off)")
     p.add_argument("--lease-ttl-ms", type=int, default=10_000, help="default worker lease")
     p.add_argument(
@@ -150,6 +158,8 @@ async def _serve(args: argparse.Namespace, redis_url: str) -> None:
             directive_interval_ms=sch.directive_interval_ms,
             informer_max_backoff_ms=sch.informer_max_backoff_ms,
             scheduler_id=sch.scheduler_id,
+            scheduler_processes=args.scheduler_processes,
+            metrics_port=args.metrics_port,
             log_level=args.log_level,
             auth_tokens_file=tokens_file,
             auth_open_reads=not args.closed_reads,
@@ -170,6 +180,12 @@ async def _serve(args: argparse.Namespace, redis_url: str) -> None:
             ("kvbroker", cp.kvbroker_target),
         ):
             print(f"hpd: {name} listening on {target}", flush=True)
+        if args.scheduler_processes > 1:
+            print(
+                f"hpd: scheduler: {args.scheduler_processes} processes share its port (metrics "
+                f"of process i on --metrics-port + i)",
+                flush=True,
+            )
         if tls:
             print(
                 f"hpd: mutual TLS on; clients: HPD_CA_FILE={tls['tls_ca_file']} "

@@ -11,6 +11,7 @@ from hpd_common import redis_conn
 from hpd_common.clock import Clock, SystemClock
 from hpd_common.errors import InvalidArgument
 from hpd_common.server import GrpcServer, serve_main
+from hpd_scheduler import processes
 from hpd_scheduler.api import SchedulerComponent
 from hpd_scheduler.broker_client import GrpcKvBroker, KvSessionOpener
 from hpd_scheduler.service import SchedulerService, SchedulerSettings
@@ -37,7 +38,10 @@ def build_server(
             identity=settings.call_identity(),
         )
     service = SchedulerService(settings, client, clock or SystemClock(), rng, opener)
-    return GrpcServer("scheduler", settings, SchedulerComponent(service), client)
+    return GrpcServer(
+        "scheduler", settings, SchedulerComponent(service), client,
+        reuse_port=settings.processes > 1,
+    )  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -48,6 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "reservations, route records, closed-loop estimates, directives.",
         SchedulerSettings,
         build_server,
+        prepare=processes.prepare,
     )
 
 

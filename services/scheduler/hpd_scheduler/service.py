@@ -216,6 +216,14 @@ class SchedulerSettings(ServerSettings):
             "until one is answered)"
         },
     )
+    processes: int = field(
+        default=1,
+        metadata={
+            "help": "scheduler processes serving this port (SO_REUSEPORT), one per core: each "
+            "with its own fleet view, sharing Redis like replicas; needs a fixed --port; "
+            "metrics of process i on metrics_port + i"
+        },
+    )
     scheduler_id: str = field(default="", metadata={"help": "replica name in route records"})
     seed: int = field(default=0, metadata={"help": "seed of the planner's tie-breaking RNG"})
 
@@ -243,6 +251,8 @@ class SchedulerSettings(ServerSettings):
             )
         if not 0 < self.ewma_alpha <= 1:
             raise InvalidArgument("ewma_alpha", "must be in (0, 1]")
+        if not 1 <= self.processes <= 256:
+            raise InvalidArgument("processes", "must be within 1..256")
         try:
             self.group_commit().validate()
         except ValueError as exc:
