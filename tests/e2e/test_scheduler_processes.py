@@ -224,7 +224,7 @@ def test_hpd_up_runs_scheduler_processes_that_open_sessions_with_its_tokens(
                         plan = stub.Schedule(sched(f"up-{i}", prompt=4000, output=20), timeout=5)
                         break
                     except grpc.RpcError as exc:
-                        if exc.code() not in (  # type: ignore[attr-defined]
+                        if exc.code() not in (
                             grpc.StatusCode.UNAVAILABLE,
                             grpc.StatusCode.FAILED_PRECONDITION,
                         ):
