@@ -216,8 +216,9 @@ async def test_a_broken_stream_retries_its_waiting_requests_unary(
         before = unary_schedules()
         waiting = asyncio.ensure_future(cp.schedule("br-0", "llama-3-8b", 800, 64, "standard"))
         await asyncio.wait_for(held.wait(), 5)
-        assert cp.stream is not None and cp.stream._call is not None
-        cp.stream._call.cancel()  # the connection lost, as far as the client can tell
+        call = cp.streams[0]._call
+        assert call is not None
+        call.cancel()  # the connection lost, as far as the client can tell
         plan = await asyncio.wait_for(waiting, 5)
         assert plan.request_id == "br-0"
         assert unary_schedules() == before + 1  # retried unary, under the same id

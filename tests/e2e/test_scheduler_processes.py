@@ -125,6 +125,25 @@ async def test_two_processes_serve_one_port_and_stop_together(
                 rec = await stub.GetRouteRecord(s.GetRouteRecordRequest(request_id=f"mp-{i}"))
                 seen.add(rec.record.scheduler_id)
         assert seen == {"multi-0", "multi-1"}, seen
+        # the gateway's client with several channels: its streams reach both processes
+        from hpd_gateway.control_client import ControlPlane
+
+        cp = ControlPlane(f"127.0.0.1:{port}", "127.0.0.1:1", "127.0.0.1:1", scheduler_channels=8)
+        try:
+            plans = await asyncio.gather(
+                *(cp.schedule(f"gwmp-{i}", "llama-3-8b", 200, 20, "standard") for i in range(32))
+            )
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = s_grpc.SchedulerServiceStub(ch)
+                by = {
+                    (
+                        await stub.GetRouteRecord(s.GetRouteRecordRequest(request_id=p.request_id))
+                    ).record.scheduler_id
+                    for p in plans
+                }
+            assert by == {"multi-0", "multi-1"}, by
+        finally:
+            await cp.close()
         # a process that dies is started again, on the same port and metrics port
         os.kill(kids[0], signal.SIGKILL)
         await asyncio.to_thread(
@@ -141,8 +160,10 @@ async def test_two_processes_serve_one_port_and_stop_together(
         sup.send_signal(signal.SIGTERM)
         assert await asyncio.to_thread(sup.wait, 20) == 0
         assert not [pid for pid in kids if alive(pid)]  # reaped by the supervisor
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", port))  # nobody holds it
+        with socket.socket() as sock:  # no process listens on it (TIME_WAIT may remain)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(("127.0.0.1", port))
+            sock.listen()
     finally:
         if sup.poll() is None:
             await asyncio.to_thread(stop, sup)

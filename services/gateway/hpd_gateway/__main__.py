@@ -79,6 +79,13 @@ class GatewaySettings(CallSettings):
             "unary Schedule call per request)"
         },
     )
+    scheduler_channels: int = field(
+        default=1,
+        metadata={
+            "help": "connections to the scheduler, each with its own ScheduleStream, used in "
+            "turn; set it to at least the scheduler's --processes so every process serves"
+        },
+    )
     rpc_timeout_ms: int = field(default=2000, metadata={"help": "deadline of control-plane RPCs"})
     connect_timeout_s: float = field(default=2.0, metadata={"help": "engine connect timeout"})
     read_timeout_s: float = field(
@@ -111,6 +118,7 @@ async def serve(s: GatewaySettings, ready: asyncio.Event | None = None) -> None:
         timeout_s=s.rpc_timeout_ms / 1000,
         identity=s.call_identity(),
         stream=s.schedule_stream,
+        scheduler_channels=s.scheduler_channels,
     )
     engines = EngineHttp(s.connect_timeout_s, s.read_timeout_s)
     await control.start()

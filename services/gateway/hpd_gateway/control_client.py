@@ -79,26 +79,43 @@ class ControlPlane:
         timeout_s: float = 2.0,
         identity: CallIdentity | None = None,
         stream: bool = True,
+        scheduler_channels: int = 1,
     ) -> None:
-        self._sched_ch = aio_channel(scheduler, identity, CLIENT_OPTIONS)
+        # several channels, each its own connection (a local subchannel pool), reach every
+        # process of a scheduler run with --processes N: the kernel spreads connections
+        opts = [*CLIENT_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
+        self._sched_chs = [
+            aio_channel(scheduler, identity, opts) for _ in range(max(1, scheduler_channels))
+        ]
         self._broker_ch = aio_channel(broker, identity, CLIENT_OPTIONS)
-        self.scheduler = s_grpc.SchedulerServiceStub(self._sched_ch)
+        self._stubs = [s_grpc.SchedulerServiceStub(ch) for ch in self._sched_chs]
+        self.scheduler = self._stubs[0]
         self.broker = kb_grpc.KvBrokerServiceStub(self._broker_ch)
         self.fleet = FleetInformer(registry, identity=identity)
         # a non-empty token is what selects the broker's gateway role; a broker without a
         # configured gateway token (development) accepts any, so a placeholder serves there
         self._caller = kb.SessionCaller(gateway_token=gateway_token or "gateway")
         self.timeout_s = timeout_s
-        self.stream = ScheduleStreamClient(self.scheduler) if stream else None
+        self.streams = [ScheduleStreamClient(stub) for stub in self._stubs] if stream else []
+        self._turn = 0
+
+    @property
+    def stream(self) -> ScheduleStreamClient | None:
+        """The stream the next request goes over (round robin); None: unary Schedule."""
+        if not self.streams:
+            return None
+        self._turn = (self._turn + 1) % len(self.streams)
+        return self.streams[self._turn]
 
     async def start(self) -> None:
         await self.fleet.start()
 
     async def close(self) -> None:
-        if self.stream is not None:
-            await self.stream.close()
+        for stream in self.streams:
+            await stream.close()
         await self.fleet.stop()
-        await self._sched_ch.close()
+        for ch in self._sched_chs:
+            await ch.close()
         await self._broker_ch.close()
 
     # -- fleet view -------------------------------------------------------------------------
@@ -143,9 +160,10 @@ class ControlPlane:
             prefix_block_hashes=list(prefix),
             prefix_block_tokens=block_tokens if prefix else 0,
         )
-        if self.stream is not None:
+        stream = self.stream
+        if stream is not None:
             try:
-                answer = await self.stream.schedule(req, self.timeout_s)
+                answer = await stream.schedule(req, self.timeout_s)
             except TimeoutError:
                 raise _http_error(grpc.StatusCode.DEADLINE_EXCEEDED, "", 0, model) from None
             except StreamBroken:
@@ -157,13 +175,17 @@ class ControlPlane:
                 raise _http_error(_CODES.get(err.code, grpc.StatusCode.UNKNOWN), err.message,
                                   err.retry_after_ms, model)  # fmt: skip
         try:
-            resp = await self.scheduler.Schedule(req, timeout=self.timeout_s)
+            resp = await self._unary().Schedule(req, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
             retry = dict(exc.trailing_metadata() or ()).get("retry-after-ms", "0")
             raise _http_error(
                 exc.code(), exc.details() or "", int(retry) if str(retry).isdigit() else 0, model
             ) from exc
         return plan_of(resp.plan)
+
+    def _unary(self) -> s_grpc.SchedulerServiceStub:
+        self._turn = (self._turn + 1) % len(self._stubs)
+        return self._stubs[self._turn]
 
     async def report(self, request_id: str, out: Outcome) -> None:
         req = s.ReportOutcomeRequest(
@@ -177,7 +199,7 @@ class ControlPlane:
             output_tokens=out.output_tokens,
         )
         try:
-            await self.scheduler.ReportOutcome(req, timeout=self.timeout_s)
+            await self._unary().ReportOutcome(req, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
             log.warning("outcome_not_reported", request_id=request_id, code=exc.code().name)
 
