@@ -67,13 +67,15 @@ def scheduler_directives(client: aioredis.Redis, flaky: Flaky) -> Coroutine[Any,
 def scheduler_explanations(client: aioredis.Redis, flaky: Flaky) -> Coroutine[Any, Any, None]:
     svc = _scheduler(client)
 
-    async def flush() -> None:
-        svc._explain_wake.set()  # more to write: the loop comes round again
+    writer = svc.explanations
+
+    async def flush(idle_only: bool = False) -> None:
+        writer._wake.set()  # more to write: the loop comes round again
         await flaky()
 
-    svc._flush_explanations = flush  # type: ignore[method-assign]
-    svc._explain_wake.set()
-    return svc._explain_loop()
+    writer.flush = flush  # type: ignore[method-assign]
+    writer._wake.set()
+    return writer.run()
 
 
 @pytest.mark.parametrize(

@@ -70,6 +70,7 @@ from hpd_registry.domain import Directive, DirectiveKind, WorkerRecord
 from hpd_registry.keys import RegistryKeys
 from hpd_scheduler import metrics
 from hpd_scheduler.broker_client import KvSessionOpener, NoKvBroker, SessionRefused
+from hpd_scheduler.explanations import ExplanationWriter
 from hpd_scheduler.feedback import ObservedEstimates, observation_from
 from hpd_scheduler.group_commit import GroupCommit, GroupCommitSettings
 from hpd_scheduler.keys import SchedulerKeys
@@ -116,15 +117,6 @@ from hpd_scheduler.views import link_model, view_of
 log = get_logger("scheduler")
 
 _ZERO = Totals()
-
-_EXPLAIN_DELAY_S = 0.005
-"""How long the explanation writer waits after being woken: the responses of the requests
-just planned go out first (the writer would otherwise run before their replies are sent),
-and the explanations of a burst are encoded and written together."""
-
-_EXPLAIN_BATCH = 64
-"""Explanations encoded per script call; the writer yields to the loop between batches so
-a long queue does not hold up the requests arriving meanwhile."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -457,8 +449,7 @@ class SchedulerService:
         self._totals: dict[str, Totals] = {}
         self._applied: dict[str, Totals] = {}  # what the snapshot counts (_effective)
         self._batch_caps: dict[str, int] = {}
-        self._explain_q: list[tuple[str, Decision]] = []
-        self._explain_wake = asyncio.Event()
+        self.explanations = ExplanationWriter(self.store)
         self._tasks: list[asyncio.Task[None]] = []
         self.directives: DirectiveSender = GrpcDirectiveSender(
             settings.registry_target, identity=settings.call_identity()
@@ -484,7 +475,7 @@ class SchedulerService:
             asyncio.create_task(self._rebuild_loop(), name="scheduler-fleet"),
             asyncio.create_task(self.kv_events.run(), name="scheduler-kv-events"),
             asyncio.create_task(self._sync_loop(), name="scheduler-reservations"),
-            asyncio.create_task(self._explain_loop(), name="scheduler-explanations"),
+            asyncio.create_task(self.explanations.run(), name="scheduler-explanations"),
         ]
         if self.settings.directive_interval_ms > 0:
             self._tasks.append(
@@ -493,7 +484,7 @@ class SchedulerService:
 
     async def stop(self) -> None:
         self._stopping = True
-        self._explain_wake.set()
+        self.explanations.stop()
         self._changed.set()
         for t in self._tasks:
             t.cancel()
@@ -504,7 +495,7 @@ class SchedulerService:
         self._tasks = []
         await self.commits.close()
         with contextlib.suppress(Exception):
-            await self._flush_explanations()
+            await self.explanations.flush()
         await self._stop_informer()
         await self.opener.close()
         await self.directives.close()
@@ -899,37 +890,10 @@ class SchedulerService:
     # -- route records ----------------------------------------------------------------------
 
     def _queue_explanation(self, request_id: str, decision: Decision) -> None:
-        q = self._explain_q
-        if len(q) >= 10_000:
-            del q[:1_000]  # writer cannot keep up (Redis slow): drop the oldest explanations
-        q.append((request_id, decision))
-        self._explain_wake.set()
-
-    async def _flush_explanations(self) -> None:
-        while self._explain_q:
-            batch = self._explain_q[:_EXPLAIN_BATCH]
-            del self._explain_q[:_EXPLAIN_BATCH]
-            items: list[tuple[str, str]] = []
-            for rid, decision in batch:
-                try:
-                    items.append((rid, decision.record.encode(max_options=8)))
-                except (ValueError, TypeError):
-                    log.warning("explanation_not_serialisable", request_id=rid)
-            await self.store.write_explanations(items)
-
-    async def _explain_loop(self) -> None:
-        while not self._stopping:
-            await self._explain_wake.wait()
-            await asyncio.sleep(_EXPLAIN_DELAY_S)
-            self._explain_wake.clear()
-            try:
-                await self._flush_explanations()
-            except Unavailable as exc:
-                log.warning("explanations_dropped", error=str(exc))
-            except Exception:  # drop this batch, keep writing later ones
-                log.exception("explanations_error")
+        self.explanations.add(request_id, decision)
 
     async def get_record(self, request_id: str) -> StoredRecord:
+        await self.explanations.write_now(request_id)  # a waiting explanation: now
         rec = await self.store.get(request_id)
         if rec is None:
             raise NotFound("route record", request_id)
