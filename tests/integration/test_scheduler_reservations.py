@@ -125,6 +125,17 @@ async def held(redis_url: str, prefix: str) -> int:
         await client.aclose()
 
 
+async def views_hold(stubs: list[s_grpc.SchedulerServiceStub], wid: str) -> None:
+    """Until every replica's view holds the worker."""
+    for stub in stubs:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            recs = await stub.GetRecommendations(s.GetRecommendationsRequest(), timeout=5)
+            if wid in {w.worker_id for w in recs.workers}:
+                break
+            await asyncio.sleep(0.05)
+
+
 async def test_two_processes_never_hold_more_than_k(
     replicas: list[str], registry: RegistryHandle, redis_server: EmbeddedRedis
 ) -> None:
@@ -134,19 +145,69 @@ async def test_two_processes_never_hold_more_than_k(
     channels = [grpc.aio.insecure_channel(t) for t in replicas]
     stubs = [s_grpc.SchedulerServiceStub(ch) for ch in channels]
     try:
-        for stub in stubs:  # both views hold the worker
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline:
-                recs = await stub.GetRecommendations(s.GetRecommendationsRequest(), timeout=5)
-                if wid in {w.worker_id for w in recs.workers}:
-                    break
-                await asyncio.sleep(0.05)
+        await views_hold(stubs, wid)
+        calls = [
+            status_of(stubs[i % 2].Schedule(sched(f"k-{i}", prompt=1000, output=24), timeout=10))
+            for i in range(4 * K)
+        ]
+        results = await asyncio.gather(*calls)
+        ok = [resp for code, resp in results if code == grpc.StatusCode.OK]
+        odd = [
+            r.details()
+            for code, r in results
+            if code not in (grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED)
+        ]
+        assert not odd, odd[:3]
+        assert 1 <= len(ok) <= K
+        assert await held(redis_server.url, registry.prefix) == len(ok) <= K
+        # every refusal has its REJECT record, also one refused because each attempt found
+        # the worker fully reserved by the other replica
+        for i, (code, _) in enumerate(results):
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                got = await stubs[0].GetRouteRecord(
+                    s.GetRouteRecordRequest(request_id=f"k-{i}"), timeout=5
+                )
+                assert got.record.decision == s.ROUTE_DECISION_REJECT, got.record
+                assert got.record.reject_class == "saturated", got.record
+        # outcomes give the capacity back, to either replica (the planner keeps 20%
+        # headroom over a request's KV, so with the worker full two releases are needed
+        # before a third request fits again)
+        for resp in ok[:2]:
+            rel = await stubs[1].ReportOutcome(
+                s.ReportOutcomeRequest(
+                    request_id=resp.plan.request_id, success=True, ttft_ms=80, tpot_ms=20
+                )
+            )
+            assert rel.released
+        code, _ = await status_of(stubs[0].Schedule(sched("k-after", prompt=1000, output=24)))
+        assert code == grpc.StatusCode.OK
+        assert await held(redis_server.url, registry.prefix) == len(ok) - 1 <= K
+    finally:
+        for ch in channels:
+            await ch.close()
+
+
+async def test_retries_racing_their_originals_never_hold_more_than_k(
+    replicas: list[str], registry: RegistryHandle, redis_server: EmbeddedRedis
+) -> None:
+    """The same race with the first K ids sent again at once to the other replica: with
+    group commit, batches then mix fresh, replayed and full entries."""
+    wid = await small_decode_worker(registry)
+    for t in replicas:
+        await wait_serving(t)
+    channels = [grpc.aio.insecure_channel(t) for t in replicas]
+    stubs = [s_grpc.SchedulerServiceStub(ch) for ch in channels]
+    try:
+        await views_hold(stubs, wid)
         # 4K fresh ids, and the first K sent again at once to the other replica (retries
         # racing their originals: with group commit, batches mix fresh, full and replayed)
-        ids = [f"k-{i}" for i in range(4 * K)] + [f"k-{i}" for i in range(K)]
+        sends = [(f"k-{i}", i % 2) for i in range(4 * K)] + [
+            (f"k-{i}", (i + 1) % 2) for i in range(K)
+        ]
+        ids = [rid for rid, _ in sends]
         calls = [
-            status_of(stubs[i % 2].Schedule(sched(rid, prompt=1000, output=24), timeout=10))
-            for i, rid in enumerate(ids)
+            status_of(stubs[to].Schedule(sched(rid, prompt=1000, output=24), timeout=10))
+            for rid, to in sends
         ]
         results = await asyncio.gather(*calls)
         odd = [
@@ -163,9 +224,8 @@ async def test_two_processes_never_hold_more_than_k(
         ok = list(granted.values())
         assert 1 <= len(ok) <= K
         assert await held(redis_server.url, registry.prefix) == len(ok) <= K
-        for rid, (code, resp) in zip(
-            ids, results, strict=True
-        ):  # an id granted twice: the same plan
+        # an id granted twice (original and retry): the same plan
+        for rid, (code, resp) in zip(ids, results, strict=True):
             if code == grpc.StatusCode.OK:
                 assert resp.plan.decode_worker_id == granted[rid].plan.decode_worker_id
         # every refusal has its REJECT record, also one refused because each attempt found
