@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from typing import Any
 
 from hpd_scheduler.explanations import ExplanationWriter
 
@@ -51,22 +52,45 @@ async def test_nothing_is_encoded_while_the_loop_has_work_and_all_once_it_is_idl
     await asyncio.sleep(0.02)
     assert encoded == [] and store.written == []
     busy[0] = False
-    await asyncio.sleep(0.02)
-    assert encoded == ["a", "b", "c"] and store.written == ["a", "b", "c"]
+    await asyncio.sleep(0.01)
+    assert encoded == ["a", "b", "c"]
+    await asyncio.sleep(0.05)  # a part batch is written within the write interval
+    assert store.written == ["a", "b", "c"]
     w.stop()
     await asyncio.wait_for(task, 1)
 
 
 async def test_past_the_backlog_the_oldest_are_encoded_even_on_a_busy_loop() -> None:
     busy = [True]
-    w, store, encoded = writer(busy, backlog=3)
+    w, _, encoded = writer(busy, backlog=3)
     add(w, encoded, "a", "b", "c", "d", "e")
     task = asyncio.ensure_future(w.run())
     await asyncio.sleep(0.02)
-    assert encoded == ["a", "b"] and len(w) == 3  # down to the bound, oldest first
-    assert store.written == ["a", "b"]  # nothing dropped
+    assert encoded == ["a", "b"] and len(w._waiting) == 3  # down to the bound, oldest first
+    assert len(w) == 5  # nothing dropped: two encoded, three waiting
     w.stop()
     task.cancel()
+
+
+async def test_explanations_are_written_together() -> None:
+    w, store, encoded = writer([False])
+    writes: list[int] = []
+    real = store.write_explanations
+
+    async def counted(items: Any) -> int:
+        writes.append(len(items))
+        return await real(items)
+
+    store.write_explanations = counted  # type: ignore[method-assign]
+    task = asyncio.ensure_future(w.run())
+    for i in range(6):  # one at a time, as requests at concurrency 1 come
+        add(w, encoded, f"r{i}")
+        await asyncio.sleep(0.001)
+    await asyncio.sleep(0.1)
+    assert store.written == [f"r{i}" for i in range(6)]
+    assert len(writes) <= 3, writes  # batches of 4 or per write interval, not one each
+    w.stop()
+    await asyncio.wait_for(task, 1)
 
 
 async def test_a_read_writes_the_waiting_explanation_first() -> None:
