@@ -226,3 +226,30 @@ async def test_a_broken_stream_retries_its_waiting_requests_unary(
         assert again.request_id == "br-1" and unary_schedules() == before + 1
     finally:
         await cp.close()
+
+
+async def test_a_stream_answer_that_never_comes_is_a_504(scheduler: SchedulerHandle) -> None:
+    from hpd_gateway.control_client import ControlPlane
+    from hpd_gateway.protocol import GatewayError
+
+    await hetero_fleet(scheduler)
+    svc = scheduler.service
+    assert svc is not None
+    planned = svc.schedule
+
+    async def stuck(req: Any) -> Any:
+        if req.request_id == "slow-0":
+            await asyncio.sleep(30)
+        return await planned(req)
+
+    svc.schedule = stuck  # type: ignore[method-assign]
+    cp = ControlPlane(scheduler.target, "127.0.0.1:1", "127.0.0.1:1", timeout_s=0.3)
+    try:
+        with pytest.raises(GatewayError) as late:
+            await cp.schedule("slow-0", "llama-3-8b", 800, 64, "standard")
+        assert late.value.status == 504
+        # the stream is still good for the next request
+        plan = await cp.schedule("slow-1", "llama-3-8b", 800, 64, "standard")
+        assert plan.request_id == "slow-1"
+    finally:
+        await cp.close()

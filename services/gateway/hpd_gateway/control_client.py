@@ -23,7 +23,7 @@ from hpd_registry.domain import Stage
 
 from .plan import RECOMPUTE, SAME_POOL, TRANSFER, Outcome, Plan, Step
 from .protocol import GatewayError
-from .schedule_stream import ScheduleStreamClient, StreamBroken
+from .schedule_stream_client import ScheduleStreamClient, StreamBroken
 
 __all__ = ["ControlPlane"]
 

@@ -49,7 +49,8 @@ class ScheduleStreamClient:
         self._waiting.setdefault(req.request_id, deque()).append(fut)
         self._outbox.put_nowait(req)
         try:
-            return await asyncio.wait_for(fut, timeout_s)
+            async with asyncio.timeout(timeout_s):
+                return await fut
         finally:
             waiters = self._waiting.get(req.request_id)
             if waiters is not None and fut in waiters:
