@@ -16,12 +16,12 @@ from hpd_common.embedded_redis import EmbeddedRedis
 from tests.component.test_scheduler_api import (
     SchedulerHandle,
     hetero_fleet,
+    own_scheduler,
     register,
     sched,
     scheduler,
-    start_scheduler,
 )
-from tests.conftest import RegistryHandle, external, stop_server
+from tests.conftest import RegistryHandle, external
 from tests.support.fleet import load
 
 pytestmark = [
@@ -102,20 +102,8 @@ async def test_a_saturated_request_carries_its_retry_delay(scheduler: SchedulerH
 async def narrow(
     redis_server: EmbeddedRedis, registry: RegistryHandle
 ) -> AsyncIterator[SchedulerHandle]:
-    from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
-
-    server = await start_scheduler(
-        redis_server.url, registry.prefix, registry.target, stream_max_in_flight=3
-    )
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
-    try:
-        yield SchedulerHandle(
-            f"127.0.0.1:{server.port}", channel, s_grpc.SchedulerServiceStub(channel), server,
-            registry,
-        )  # fmt: skip
-    finally:
-        await channel.close()
-        await stop_server(server)
+    async with own_scheduler(redis_server.url, registry, stream_max_in_flight=3) as h:
+        yield h
 
 
 async def test_no_more_than_the_bound_is_decided_at_once(narrow: SchedulerHandle) -> None:

@@ -13,6 +13,7 @@ Also here: the scheduler harness the other scheduler test modules import (`start
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -103,6 +104,23 @@ async def start_scheduler(
     server._probe_interval_s = 0.1
     await server.start()
     return server
+
+
+@contextlib.asynccontextmanager
+async def own_scheduler(
+    redis_url: str, registry: RegistryHandle, **overrides: Any
+) -> AsyncIterator[SchedulerHandle]:
+    """A scheduler of the test's own (settings overridden) and a handle on it."""
+    server = await start_scheduler(redis_url, registry.prefix, registry.target, **overrides)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    try:
+        yield SchedulerHandle(
+            f"127.0.0.1:{server.port}", channel, s_grpc.SchedulerServiceStub(channel), server,
+            registry,
+        )  # fmt: skip
+    finally:
+        await channel.close()
+        await stop_server(server)
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from hpd_common.embedded_redis import EmbeddedRedis
 from tests.component.test_scheduler_api import register, sched
 from tests.conftest import RegistryHandle, external
 from tests.support.fleet import load
-from tests.support.processes import stop, wait_serving
+from tests.support.processes import schedule_when_ready, stop, wait_serving
 
 pytestmark = [
     pytest.mark.e2e,
@@ -239,19 +239,8 @@ def test_hpd_up_runs_scheduler_processes_that_open_sessions_with_its_tokens(
         for i in range(24):
             with sync_channel(addrs[1], gateway, [("grpc.use_local_subchannel_pool", 1)]) as ch:
                 stub = s_grpc.SchedulerServiceStub(ch)
-                plan = None
-                for _ in range(100):  # until this process's view holds both workers
-                    try:
-                        plan = stub.Schedule(sched(f"up-{i}", prompt=4000, output=20), timeout=5)
-                        break
-                    except grpc.RpcError as exc:
-                        if exc.code() not in (
-                            grpc.StatusCode.UNAVAILABLE,
-                            grpc.StatusCode.FAILED_PRECONDITION,
-                        ):
-                            raise
-                        time.sleep(0.1)
-                assert plan is not None
+                # until this process's view holds both workers
+                plan = schedule_when_ready(stub, sched(f"up-{i}", prompt=4000, output=20))
                 rec = stub.GetRouteRecord(s.GetRouteRecordRequest(request_id=f"up-{i}")).record
                 seen[rec.scheduler_id] = seen.get(rec.scheduler_id, 0) + 1
                 if plan.plan.mode == s.EXECUTION_MODE_TRANSFER:

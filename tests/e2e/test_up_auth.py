@@ -28,7 +28,7 @@ from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
 from hpd_common.channels import CallIdentity, sync_channel
 from hpd_common.embedded_redis import free_port
 from tests.support.fleet import capability, load
-from tests.support.processes import stop, wait_serving
+from tests.support.processes import schedule_when_ready, stop, wait_serving
 
 pytestmark = [pytest.mark.e2e]
 HPD = Path(sys.executable).parent / "hpd"
@@ -219,22 +219,11 @@ def test_up_tls_runs_the_whole_plane_on_mutual_tls_with_closed_reads(
         gateway = CallIdentity(tokens["gateway"], bare.ca_file, bare.cert_file, bare.key_file)
         with sync_channel(addrs[1], gateway) as ch:
             sched = s_grpc.SchedulerServiceStub(ch)
-            plan = None
-            for _ in range(100):
-                try:
-                    plan = sched.Schedule(
-                        s.ScheduleRequest(request_id="tls-r1", model_id="llama-3-8b",
-                                          prompt_tokens=800, expected_output_tokens=40),
-                        timeout=5,
-                    ).plan  # fmt: skip
-                    break
-                except grpc.RpcError as exc:
-                    if exc.code() not in (
-                        grpc.StatusCode.UNAVAILABLE,
-                        grpc.StatusCode.FAILED_PRECONDITION,
-                    ):
-                        raise
-                    time.sleep(0.1)
+            plan = schedule_when_ready(
+                sched,
+                s.ScheduleRequest(request_id="tls-r1", model_id="llama-3-8b",
+                                  prompt_tokens=800, expected_output_tokens=40),
+            ).plan  # fmt: skip
         assert plan is not None and plan.decode_worker_id == "tls-d", log.read_text()[-3000:]
         assert "informer_stream_broken" not in log.read_text()
 

@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -28,12 +29,12 @@ from hpd_common.embedded_redis import EmbeddedRedis
 from hpd_scheduler.keys import SchedulerKeys
 from tests.component.test_scheduler_api import (
     SchedulerHandle,
+    own_scheduler,
     register,
     sched,
-    start_scheduler,
     status_of,
 )
-from tests.conftest import RegistryHandle, stop_server
+from tests.conftest import RegistryHandle
 from tests.support.fleet import load
 
 pytestmark = pytest.mark.integration
@@ -125,6 +126,24 @@ async def held(redis_url: str, prefix: str) -> int:
         await client.aclose()
 
 
+async def capacity_comes_back(
+    stubs: list[s_grpc.SchedulerServiceStub], ok: list[Any], redis_url: str, prefix: str
+) -> None:
+    """Outcomes give the capacity back, to either replica (the planner keeps 20% headroom
+    over a request's KV, so with the worker full two releases are needed before a third
+    request fits again)."""
+    for resp in ok[:2]:
+        rel = await stubs[1].ReportOutcome(
+            s.ReportOutcomeRequest(
+                request_id=resp.plan.request_id, success=True, ttft_ms=80, tpot_ms=20
+            )
+        )
+        assert rel.released
+    code, _ = await status_of(stubs[0].Schedule(sched("k-after", prompt=1000, output=24)))
+    assert code == grpc.StatusCode.OK
+    assert await held(redis_url, prefix) == len(ok) - 1 <= K
+
+
 async def views_hold(stubs: list[s_grpc.SchedulerServiceStub], wid: str) -> None:
     """Until every replica's view holds the worker."""
     for stub in stubs:
@@ -169,19 +188,7 @@ async def test_two_processes_never_hold_more_than_k(
                 )
                 assert got.record.decision == s.ROUTE_DECISION_REJECT, got.record
                 assert got.record.reject_class == "saturated", got.record
-        # outcomes give the capacity back, to either replica (the planner keeps 20%
-        # headroom over a request's KV, so with the worker full two releases are needed
-        # before a third request fits again)
-        for resp in ok[:2]:
-            rel = await stubs[1].ReportOutcome(
-                s.ReportOutcomeRequest(
-                    request_id=resp.plan.request_id, success=True, ttft_ms=80, tpot_ms=20
-                )
-            )
-            assert rel.released
-        code, _ = await status_of(stubs[0].Schedule(sched("k-after", prompt=1000, output=24)))
-        assert code == grpc.StatusCode.OK
-        assert await held(redis_server.url, registry.prefix) == len(ok) - 1 <= K
+        await capacity_comes_back(stubs, ok, redis_server.url, registry.prefix)
     finally:
         for ch in channels:
             await ch.close()
@@ -234,19 +241,7 @@ async def test_retries_racing_their_originals_never_hold_more_than_k(
             got = await stubs[0].GetRouteRecord(s.GetRouteRecordRequest(request_id=rid), timeout=5)
             assert got.record.decision == s.ROUTE_DECISION_REJECT, got.record
             assert got.record.reject_class == "saturated", got.record
-        # outcomes give the capacity back, to either replica (the planner keeps 20%
-        # headroom over a request's KV, so with the worker full two releases are needed
-        # before a third request fits again)
-        for resp in ok[:2]:
-            rel = await stubs[1].ReportOutcome(
-                s.ReportOutcomeRequest(
-                    request_id=resp.plan.request_id, success=True, ttft_ms=80, tpot_ms=20
-                )
-            )
-            assert rel.released
-        code, _ = await status_of(stubs[0].Schedule(sched("k-after", prompt=1000, output=24)))
-        assert code == grpc.StatusCode.OK
-        assert await held(redis_server.url, registry.prefix) == len(ok) - 1 <= K
+        await capacity_comes_back(stubs, ok, redis_server.url, registry.prefix)
     finally:
         for ch in channels:
             await ch.close()
@@ -256,19 +251,10 @@ async def test_retries_racing_their_originals_never_hold_more_than_k(
 async def short_ttl_scheduler(
     redis_server: EmbeddedRedis, registry: RegistryHandle
 ) -> AsyncIterator[SchedulerHandle]:
-    server = await start_scheduler(
-        redis_server.url, registry.prefix, registry.target,
-        reservation_ttl_ms=600, reservation_sync_interval_ms=100,
-    )  # fmt: skip
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
-    try:
-        yield SchedulerHandle(
-            f"127.0.0.1:{server.port}", channel, s_grpc.SchedulerServiceStub(channel), server,
-            registry,
-        )  # fmt: skip
-    finally:
-        await channel.close()
-        await stop_server(server)
+    async with own_scheduler(
+        redis_server.url, registry, reservation_ttl_ms=600, reservation_sync_interval_ms=100
+    ) as h:
+        yield h
 
 
 async def test_capacity_returns_when_reservations_lapse(

@@ -50,3 +50,20 @@ def stop(proc: subprocess.Popen[Any], timeout_s: float = 20.0) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def schedule_when_ready(stub: Any, request: Any, tries: int = 100) -> Any:
+    """``stub.Schedule(request)`` once the scheduler's fleet view can plan it: UNAVAILABLE
+    (view not synced) and FAILED_PRECONDITION (workers not in it yet) are retried every
+    100 ms, ``tries`` times; the ScheduleResponse."""
+    for _ in range(tries - 1):
+        try:
+            return stub.Schedule(request, timeout=5)
+        except grpc.RpcError as exc:
+            if exc.code() not in (
+                grpc.StatusCode.UNAVAILABLE,
+                grpc.StatusCode.FAILED_PRECONDITION,
+            ):
+                raise
+            time.sleep(0.1)
+    return stub.Schedule(request, timeout=5)
