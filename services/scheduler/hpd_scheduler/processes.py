@@ -82,9 +82,12 @@ class SchedulerProcesses:
         self.stopping = False
 
     def _env(self, index: int) -> Mapping[str, str]:
-        # the YAML file holds every setting: an HPD_* variable meant for the parent must
-        # not override it in a child
-        env = {k: v for k, v in os.environ.items() if not k.startswith("HPD_")}
+        # the YAML file holds every setting: a setting's HPD_<NAME> variable (or HPD_CONFIG)
+        # meant for the parent must not override it in a child; others (HPD_NATIVE) stay
+        settings_vars = {"HPD_CONFIG"} | {
+            f"HPD_{f.name.upper()}" for f in dataclasses.fields(self.settings)
+        }
+        env = {k: v for k, v in os.environ.items() if k not in settings_vars}
         env[PROCESS_ENV] = str(index)
         return env
 
