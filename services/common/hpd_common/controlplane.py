@@ -153,6 +153,15 @@ class ControlPlane:
         self.kvbroker: GrpcServer | None = None
         self.scheduler: GrpcServer | None = None
         self.scheduler_children: Any = None  # hpd_scheduler.processes.SchedulerProcesses
+        self._watchdog: asyncio.Task[None] | None = None
+
+    @staticmethod
+    async def _restart_dead(children: Any, period_s: float = 1.0) -> None:
+        """A scheduler child that died is started again (as ``hpd scheduler --processes``'s
+        supervisor does)."""
+        while True:
+            await asyncio.sleep(period_s)
+            await asyncio.to_thread(children.restart_dead)
 
     def _target(self, server: GrpcServer | None) -> str:
         if server is None:
@@ -264,6 +273,9 @@ class ControlPlane:
 
             self.scheduler_children = SchedulerProcesses(sched_settings, first=1)
             await asyncio.to_thread(self.scheduler_children.start)
+            self._watchdog = asyncio.create_task(
+                self._restart_dead(self.scheduler_children), name="scheduler-processes"
+            )
             sched_settings = dataclasses.replace(child_settings(sched_settings, 0), metrics_port=0)
         opener = InProcessKvBroker(
             self.kvbroker.component.service,  # type: ignore[attr-defined]
@@ -277,6 +289,11 @@ class ControlPlane:
 
     async def stop(self, grace_s: float | None = 0) -> None:
         """Stops the servers in reverse order; grace_s None = each server's own grace."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watchdog
+            self._watchdog = None
         if self.scheduler_children is not None:
             await asyncio.to_thread(self.scheduler_children.stop)
             self.scheduler_children = None

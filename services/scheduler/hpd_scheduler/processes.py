@@ -10,11 +10,12 @@ the reservation script keeps the never-more-than-K guarantee across them.
 
 The kernel balances connections, not calls: a client with one HTTP/2 connection talks to
 one process. Clients that want the whole scheduler open several connections (the gateway's
-``scheduler_channels``; ``bench/schedule_rpc.py --processes`` opens one per caller).
+``scheduler_channels``; the scaling runs of ``bench/schedule_rpc.py`` open 8).
 
 The supervisor (the process started by the operator) starts the N children, restarts one
 that dies (after a second, logged), and on SIGTERM / SIGINT stops them all and waits for
-each. Children get their settings in a private YAML file (so a token never shows in ``ps``)
+each. Under ``hpd up`` its own process is process 0 and it restarts the others the same
+way. Children get their settings in a private YAML file (so a token never shows in ``ps``)
 and ``HPD_SCHEDULER_PROCESS=i``.
 """
 
