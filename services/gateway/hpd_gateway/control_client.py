@@ -89,7 +89,6 @@ class ControlPlane:
         ]
         self._broker_ch = aio_channel(broker, identity, CLIENT_OPTIONS)
         self._stubs = [s_grpc.SchedulerServiceStub(ch) for ch in self._sched_chs]
-        self.scheduler = self._stubs[0]
         self.broker = kb_grpc.KvBrokerServiceStub(self._broker_ch)
         self.fleet = FleetInformer(registry, identity=identity)
         # a non-empty token is what selects the broker's gateway role; a broker without a
