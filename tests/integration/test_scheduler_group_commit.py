@@ -127,7 +127,7 @@ ops = st.lists(
     st.tuples(
         st.sampled_from(["r0", "r1", "r2", "r3", "r4", "r5", "r6", "r7"]),
         st.sampled_from([*WORKERS, None]),
-        st.integers(0, 2_000),  # ms after NOW
+        st.integers(0, 3 * TTL),  # ms after NOW: reservations lapse and are purged between
         st.integers(0, 50),  # prefill tokens
     ),
     min_size=1,

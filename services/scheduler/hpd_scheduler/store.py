@@ -139,9 +139,10 @@ return out
 )
 
 # Group commit: many `Schedule` calls' reservations in one script call, each entry
-# exactly as `_RESERVE` would do it alone, in order (so a later entry sees what an earlier
-# one reserved: two entries for one worker can never together pass its capacity, and a
-# request id twice in one batch is a replay the second time).
+# exactly as `_RESERVE` would do it alone (its purge at its own time included), in order
+# (so a later entry sees what an earlier one reserved: two entries for one worker can never
+# together pass its capacity, and a request id twice in one batch is a replay the second
+# time).
 # KEYS: 1 totals, 2 reservations, 3 expiry, 4 index, then one record key per entry.
 # ARGV: 1 purge limit, 2 index cap, 3 fields per entry (12), then the entries' arguments
 # (as `reserve_one` takes them). Returns one `reserve_one` answer per entry.
@@ -152,18 +153,19 @@ _RESERVE_BATCH = (
 local width = tonumber(ARGV[3])
 local n = (#ARGV - 3) / width
 local now = 0
-for i = 1, n do
-  local v = tonumber(ARGV[3 + (i - 1) * width + 1])
-  if v > now then now = v end
-end
-purge(now, tonumber(ARGV[1]))
 local out = {}
 local trim = nil
 for i = 1, n do
   local a = {}
   for j = 1, width do a[j] = ARGV[3 + (i - 1) * width + j] end
-  out[i] = reserve_one(KEYS[4 + i], KEYS[4], a)
+  local rkey = KEYS[4 + i]
+  local prev = redis.call('HGET', rkey, 'p')
+  if not (prev and redis.call('HGET', rkey, 'd') ~= 'reject') then
+    purge(tonumber(a[1]), tonumber(ARGV[1]))  -- at the entry's own time, as a lone call
+  end
+  out[i] = reserve_one(rkey, KEYS[4], a)
   if out[i][1] == 1 then trim = i end
+  if tonumber(a[1]) > now then now = tonumber(a[1]) end
 end
 if trim then
   local a2 = ARGV[3 + (trim - 1) * width + 2]
