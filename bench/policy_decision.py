@@ -6,7 +6,10 @@ to 4,096 workers (bounded work per request means close to 1x). Targets: p99 at 2
 <= 300 us; p99 at 4,096 <= 2 x p99 at 256.
 
 The fleet snapshot is built once per size (as the scheduler does once per fleet change) and
-is not part of a decision's time. Garbage collection stays enabled; long-lived objects (the
+is not part of a decision's time. Each size also reports ``explanation_p50_us``: encoding the
+decision's explanation as the scheduler stores it with the route record (not part of the
+decision's time; the scheduler does it when its event loop is idle). Garbage collection
+stays enabled; long-lived objects (the
 snapshot) are moved out of the collector's young generations with ``gc.freeze()`` after the
 build, which is what a service does after building a snapshot.
 
@@ -24,6 +27,7 @@ import sys
 import time
 
 from hpd_common import native
+from hpd_scheduler.explanations import MAX_OPTIONS
 from hpd_scheduler.policy import Fleet, Planner, Request, builtin_profile
 from hpd_scheduler.policy.synthetic import synthetic_fleet
 
@@ -62,6 +66,7 @@ def measure(size: int, n_requests: int, profile_name: str, seed: int) -> dict[st
     gc.collect()
     gc.freeze()
     samples: list[int] = []
+    explain: list[int] = []
     kinds: dict[str, int] = {}
     clock = time.perf_counter_ns
     for r in reqs:
@@ -69,9 +74,14 @@ def measure(size: int, n_requests: int, profile_name: str, seed: int) -> dict[st
         d = planner.plan(r, fleet, NOW, prng)
         samples.append(clock() - t0)
         kinds[d.kind.value] = kinds.get(d.kind.value, 0) + 1
+        t0 = clock()
+        d.record.encode(max_options=MAX_OPTIONS)  # what the scheduler stores per record
+        explain.append(clock() - t0)
     gc.unfreeze()
     samples.sort()
+    explain.sort()
     return {
+        "explanation_p50_us": _pct(explain, 0.50),
         "p50_us": _pct(samples, 0.50),
         "p99_us": _pct(samples, 0.99),
         "mean_us": statistics.fmean(samples) / 1000.0,
@@ -101,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         "decisions_per_size": n * rounds,
         **{f"p50_us_{s}": round(results[s]["p50_us"], 1) for s in SIZES},
         **{f"p99_us_{s}": round(results[s]["p99_us"], 1) for s in SIZES},
+        **{f"explanation_p50_us_{s}": round(results[s]["explanation_p50_us"], 1) for s in SIZES},
         "p99_growth_4096_vs_256": round(growth, 3),
         "target_p99_us_256": 300.0,
         "target_p99_growth": 2.0,
@@ -111,12 +122,15 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(out))
         return 0
     print(f"policy decision latency, profile {args.profile!r}, {n * rounds} decisions per size")
-    print(f"{'workers':>8} {'p50 us':>9} {'p99 us':>9} {'mean us':>9} {'rejected':>9}")
+    print(
+        f"{'workers':>8} {'p50 us':>9} {'p99 us':>9} {'mean us':>9} {'rejected':>9} "
+        f"{'explain p50 us':>15}"
+    )
     for s in SIZES:
         r = results[s]
         print(
             f"{s:>8} {r['p50_us']:>9.1f} {r['p99_us']:>9.1f} {r['mean_us']:>9.1f} "
-            f"{r['rejected_share']:>9.1%}"
+            f"{r['rejected_share']:>9.1%} {r['explanation_p50_us']:>15.1f}"
         )
     print(
         f"p99 growth 4096 vs 256: {growth:.2f}x (target <= 2x); "

@@ -10,19 +10,17 @@ from typing import Any
 import grpc
 import pytest
 
-from hetero_pd.v1 import common_pb2 as c
 from hetero_pd.v1 import scheduler_pb2 as s
 from hpd_common.embedded_redis import EmbeddedRedis
 from tests.component.test_scheduler_api import (
     SchedulerHandle,
     hetero_fleet,
     own_scheduler,
-    register,
+    saturated_worker,
     sched,
     scheduler,
 )
 from tests.conftest import RegistryHandle, external
-from tests.support.fleet import load
 
 pytestmark = [
     pytest.mark.integration,
@@ -86,13 +84,7 @@ async def test_a_refused_request_gets_its_status_and_the_stream_goes_on(
 
 
 async def test_a_saturated_request_carries_its_retry_delay(scheduler: SchedulerHandle) -> None:
-    p = scheduler.registry.prefix
-    wid = f"{p}-full"
-    await register(
-        scheduler.registry, wid, load(free=20, total=1000), pool_id="tiny",
-        stages=(c.STAGE_PREFILL, c.STAGE_DECODE),
-    )  # fmt: skip
-    await scheduler.settle([wid])
+    await saturated_worker(scheduler)
     (a,) = await one_stream(scheduler, [sched("sat-s", tier="batch")])
     assert a.error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
     assert a.error.retry_after_ms > 0

@@ -439,16 +439,22 @@ async def test_policy_reload_refuses_a_bad_profile_and_keeps_the_old(
     assert ok.policy.generation == before.generation + 1
 
 
+async def saturated_worker(h: SchedulerHandle) -> str:
+    """One worker serving both stages with 2% of its KV free: a batch-tier request is
+    refused RESOURCE_EXHAUSTED with a retry delay."""
+    wid = f"{h.registry.prefix}-full"
+    await register(
+        h.registry, wid, load(free=20, total=1000), pool_id="tiny",
+        stages=(c.STAGE_PREFILL, c.STAGE_DECODE),
+    )  # fmt: skip
+    await h.settle([wid])
+    return wid
+
+
 async def test_saturated_tier_is_resource_exhausted_with_a_retry_delay(
     scheduler: SchedulerHandle,
 ) -> None:
-    p = scheduler.registry.prefix
-    wid = f"{p}-full"
-    await register(
-        scheduler.registry, wid, load(free=20, total=1000), pool_id="tiny",
-        stages=(c.STAGE_PREFILL, c.STAGE_DECODE),
-    )  # fmt: skip
-    await scheduler.settle([wid])
+    await saturated_worker(scheduler)
     code, exc = await status_of(scheduler.stub.Schedule(sched("sat-1", tier="batch"), timeout=5))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
     trailers = {k: v for k, v in (exc.trailing_metadata() or ())}

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -59,17 +60,18 @@ def alive(pid: int) -> bool:
 
 
 def metrics_up(port: int) -> bool:
+    """A scheduler's /metrics answers on ``port``."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
-            return b"hpd_rpc_seconds" in resp.read() or resp.status == 200
+            return b"hpd_scheduler_fleet_workers" in resp.read()
     except OSError:
         return False
 
 
-def wait_for(check: object, timeout_s: float, what: str) -> None:
+def wait_for(check: Callable[[], bool], timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if check():  # type: ignore[operator]
+        if check():
             return
         time.sleep(0.1)
     raise AssertionError(f"not within {timeout_s} s: {what}")

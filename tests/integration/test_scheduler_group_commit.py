@@ -70,12 +70,7 @@ async def state(store: SchedulerStore) -> dict[str, Any]:
 
 
 async def one_by_one(store: SchedulerStore, entries: list[ReserveEntry]) -> list[ReserveResult]:
-    return [
-        await store.reserve_and_record(
-            e.request_id, e.head, e.decision, e.ask, e.now_ms, TTL, TTL, index_cap=1_000
-        )
-        for e in entries
-    ]
+    return [await store.reserve(e, index_cap=1_000) for e in entries]
 
 
 async def test_a_batch_mixing_fresh_replayed_full_and_refused_entries(

@@ -9,6 +9,7 @@ in Redis stands between them and an over-commit.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import subprocess
@@ -144,6 +145,25 @@ async def capacity_comes_back(
     assert await held(redis_url, prefix) == len(ok) - 1 <= K
 
 
+@contextlib.asynccontextmanager
+async def racing(
+    replicas: list[str], registry: RegistryHandle
+) -> AsyncIterator[list[s_grpc.SchedulerServiceStub]]:
+    """The small decode worker, both replicas serving and holding it in their views: a
+    stub for each."""
+    wid = await small_decode_worker(registry)
+    for t in replicas:
+        await wait_serving(t)
+    channels = [grpc.aio.insecure_channel(t) for t in replicas]
+    try:
+        stubs = [s_grpc.SchedulerServiceStub(ch) for ch in channels]
+        await views_hold(stubs, wid)
+        yield stubs
+    finally:
+        for ch in channels:
+            await ch.close()
+
+
 async def views_hold(stubs: list[s_grpc.SchedulerServiceStub], wid: str) -> None:
     """Until every replica's view holds the worker."""
     for stub in stubs:
@@ -158,13 +178,7 @@ async def views_hold(stubs: list[s_grpc.SchedulerServiceStub], wid: str) -> None
 async def test_two_processes_never_hold_more_than_k(
     replicas: list[str], registry: RegistryHandle, redis_server: EmbeddedRedis
 ) -> None:
-    wid = await small_decode_worker(registry)
-    for t in replicas:
-        await wait_serving(t)
-    channels = [grpc.aio.insecure_channel(t) for t in replicas]
-    stubs = [s_grpc.SchedulerServiceStub(ch) for ch in channels]
-    try:
-        await views_hold(stubs, wid)
+    async with racing(replicas, registry) as stubs:
         calls = [
             status_of(stubs[i % 2].Schedule(sched(f"k-{i}", prompt=1000, output=24), timeout=10))
             for i in range(4 * K)
@@ -189,9 +203,6 @@ async def test_two_processes_never_hold_more_than_k(
                 assert got.record.decision == s.ROUTE_DECISION_REJECT, got.record
                 assert got.record.reject_class == "saturated", got.record
         await capacity_comes_back(stubs, ok, redis_server.url, registry.prefix)
-    finally:
-        for ch in channels:
-            await ch.close()
 
 
 async def test_retries_racing_their_originals_never_hold_more_than_k(
@@ -199,13 +210,7 @@ async def test_retries_racing_their_originals_never_hold_more_than_k(
 ) -> None:
     """The same race with the first K ids sent again at once to the other replica: with
     group commit, batches then mix fresh, replayed and full entries."""
-    wid = await small_decode_worker(registry)
-    for t in replicas:
-        await wait_serving(t)
-    channels = [grpc.aio.insecure_channel(t) for t in replicas]
-    stubs = [s_grpc.SchedulerServiceStub(ch) for ch in channels]
-    try:
-        await views_hold(stubs, wid)
+    async with racing(replicas, registry) as stubs:
         # 4K fresh ids, and the first K sent again at once to the other replica (retries
         # racing their originals: with group commit, batches mix fresh, full and replayed)
         sends = [(f"k-{i}", i % 2) for i in range(4 * K)] + [
@@ -242,9 +247,6 @@ async def test_retries_racing_their_originals_never_hold_more_than_k(
             assert got.record.decision == s.ROUTE_DECISION_REJECT, got.record
             assert got.record.reject_class == "saturated", got.record
         await capacity_comes_back(stubs, ok, redis_server.url, registry.prefix)
-    finally:
-        for ch in channels:
-            await ch.close()
 
 
 @pytest.fixture

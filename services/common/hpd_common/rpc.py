@@ -94,13 +94,22 @@ def _request_id(context: Any) -> str:
     return uuid.uuid4().hex[:16]
 
 
-async def _abort(context: Any, method: str, exc: BaseException) -> None:
+def refusal(
+    method: str, exc: BaseException
+) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
+    """`status_for`, logged and counted as a call of ``method`` that failed (also for one
+    item of a stream that answers each item with its own status)."""
     code, message, trailers = status_for(exc)
     if code is grpc.StatusCode.INTERNAL:
         log.error("rpc_failed", method=method, exc_info=exc)
     else:
         log.info("rpc_refused", method=method, code=code.name, detail=message)
     metrics.RPC_ERRORS.labels(method=method, code=code.name).inc()
+    return code, message, trailers
+
+
+async def _abort(context: Any, method: str, exc: BaseException) -> None:
+    code, message, trailers = refusal(method, exc)
     if trailers:
         context.set_trailing_metadata(trailers)
     await context.abort(code, message)

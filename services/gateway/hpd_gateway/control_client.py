@@ -98,8 +98,7 @@ class ControlPlane:
         self.streams = [ScheduleStreamClient(stub) for stub in self._stubs] if stream else []
         self._turn = 0
 
-    @property
-    def stream(self) -> ScheduleStreamClient | None:
+    def _next_stream(self) -> ScheduleStreamClient | None:
         """The stream the next request goes over (round robin); None: unary Schedule."""
         if not self.streams:
             return None
@@ -159,7 +158,7 @@ class ControlPlane:
             prefix_block_hashes=list(prefix),
             prefix_block_tokens=block_tokens if prefix else 0,
         )
-        stream = self.stream
+        stream = self._next_stream()
         if stream is not None:
             try:
                 answer = await stream.schedule(req, self.timeout_s)

@@ -11,14 +11,11 @@ import structlog
 
 from hetero_pd.v1 import scheduler_pb2 as s
 from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
-from hpd_common import metrics, rpc
+from hpd_common import rpc
 from hpd_common.errors import InvalidArgument
-from hpd_common.logging import get_logger
 from hpd_common.server import ServiceComponent
 from hpd_scheduler import convert as cv
 from hpd_scheduler.service import SchedulerService
-
-log = get_logger("scheduler.api")
 
 SERVICE_NAME = s.DESCRIPTOR.services_by_name["SchedulerService"].full_name
 
@@ -78,11 +75,8 @@ class SchedulerApi(s_grpc.SchedulerServiceServicer):
         try:
             out = await self.svc.schedule(cv.request_from_pb(request))
         except Exception as exc:  # what Schedule would have returned as a status
-            code, message, trailers = rpc.status_for(exc)
-            if code is grpc.StatusCode.INTERNAL:
-                log.error("schedule_stream_item_failed", exc_info=exc)
+            code, message, trailers = rpc.refusal("ScheduleStream", exc)
             meta = dict(trailers)
-            metrics.RPC_ERRORS.labels(method="ScheduleStream", code=code.name).inc()
             return s.ScheduleStreamResponse(
                 request_id=rid,
                 error=s.ScheduleError(

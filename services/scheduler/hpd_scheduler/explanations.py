@@ -2,8 +2,9 @@
 
 A decision's explanation (every candidate's factors and scores, the options weighed) is
 encoded from the `Decision` the planner returned and attached to the route record. The
-encoding costs about as much CPU as the decision itself (measured 84 us p50 at 256 workers
-against a 72 us plan, compiled policy core), and a scheduler serves on one event loop: an
+encoding costs about as much CPU as the decision itself (`bench/policy_decision.py`'s
+``explanation_p50_us_256``: 78 us against a 74 us plan in one run, compiled policy core),
+and a scheduler serves on one event loop: an
 explanation encoded while requests wait delays their answers by that much. So the writer
 yields to serving:
 

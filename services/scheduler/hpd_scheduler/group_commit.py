@@ -21,7 +21,6 @@ alone. A call cancelled before its batch is sent is left out of it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -60,7 +59,7 @@ _Waiter = tuple[ReserveEntry, "asyncio.Future[ReserveResult]"]
 
 
 class GroupCommit:
-    """Batches `reserve_and_record` calls (module docstring)."""
+    """Batches `SchedulerStore.reserve` calls (module docstring)."""
 
     def __init__(
         self,
@@ -84,13 +83,9 @@ class GroupCommit:
         return self.settings.max_batch > 1
 
     async def reserve(self, entry: ReserveEntry) -> ReserveResult:
-        """What `SchedulerStore.reserve_and_record` answers for this entry."""
+        """What `SchedulerStore.reserve` answers for this entry."""
         if not self.enabled:
-            return await self.store.reserve_and_record(
-                entry.request_id, entry.head, entry.decision, entry.ask, entry.now_ms,
-                entry.reservation_ttl_ms, entry.record_ttl_ms, self.index_cap,
-                self.purge_limit,
-            )  # fmt: skip
+            return await self.store.reserve(entry, self.index_cap, self.purge_limit)
         fut: asyncio.Future[ReserveResult] = asyncio.get_running_loop().create_future()
         self._pending.append((entry, fut))
         self._consider()
@@ -159,5 +154,4 @@ class GroupCommit:
         while self._pending:
             self._send()
         if self._tasks:
-            with contextlib.suppress(Exception):
-                await asyncio.gather(*self._tasks, return_exceptions=True)
+            await asyncio.gather(*self._tasks, return_exceptions=True)

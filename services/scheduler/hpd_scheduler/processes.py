@@ -61,8 +61,8 @@ def child_settings(settings: Any, index: int) -> Any:
 
 
 def check(settings: Any) -> None:
-    if settings.processes < 1 or settings.processes > 256:
-        raise InvalidArgument("processes", "must be within 1..256")
+    """The settings' own checks, and one port to share when there are several processes."""
+    settings.validate()
     if settings.processes > 1 and settings.port == 0:
         raise InvalidArgument("processes", "more than one process needs a fixed --port")
 

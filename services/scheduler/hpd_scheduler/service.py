@@ -731,7 +731,7 @@ class SchedulerService:
                 replayed = await self._record_reject(decision, req, tier.name, now_ms)
                 if replayed is not None:
                     return replayed
-                self._queue_explanation(req.request_id, decision)
+                self.explanations.add(req.request_id, decision)
                 raise self._refusal(decision, tier.queue_budget_ms)
             session, mode_reason = "", ""
             if plan.mode is Mode.TRANSFER and self.opener.enabled:
@@ -788,7 +788,7 @@ class SchedulerService:
                     self._background(self.opener.abort(session, "decode_worker_full"))
                 continue
             metrics.DECISIONS.labels(decision=decision.kind.value, mode=plan.mode.value).inc()
-            self._queue_explanation(req.request_id, decision)
+            self.explanations.add(req.request_id, decision)
             # its prompt counts as queued prefill work until its predicted first token
             self.prefill_due.add(
                 req.request_id,
@@ -888,9 +888,6 @@ class SchedulerService:
             self._set_totals(pw, Totals(old.kv_bytes, old.requests, prefill_tokens))
 
     # -- route records ----------------------------------------------------------------------
-
-    def _queue_explanation(self, request_id: str, decision: Decision) -> None:
-        self.explanations.add(request_id, decision)
 
     async def get_record(self, request_id: str) -> StoredRecord:
         await self.explanations.write_now(request_id)  # a waiting explanation: now

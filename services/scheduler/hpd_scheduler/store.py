@@ -262,7 +262,7 @@ class ReservationAsk:
 
 @dataclass(frozen=True, slots=True)
 class ReserveEntry:
-    """One `Schedule` call's reservation and record head, as `reserve_and_record` takes
+    """One `Schedule` call's reservation and record head, as `reserve` takes
     them; a batch of these is one script call (`SchedulerStore.reserve_batch`)."""
 
     request_id: str
@@ -348,26 +348,16 @@ class SchedulerStore:
         except STORE_DOWN as exc:
             raise Unavailable(f"state store unavailable: {exc}") from exc
 
-    async def reserve_and_record(
-        self,
-        request_id: str,
-        head: Mapping[str, Any],
-        decision: str,
-        ask: ReservationAsk | None,
-        now_ms: int,
-        reservation_ttl_ms: int,
-        record_ttl_ms: int,
-        index_cap: int,
-        purge_limit: int = 64,
+    async def reserve(
+        self, entry: ReserveEntry, index_cap: int, purge_limit: int = 64
     ) -> ReserveResult:
-        """The hot path's one round trip (module docstring). ``ask`` None records a
-        rejection and reserves nothing."""
+        """The hot path's one round trip for one call (module docstring). ``entry.ask``
+        None records a rejection and reserves nothing."""
         k = self.keys
-        e = ReserveEntry(request_id, head, decision, ask, now_ms, reservation_ttl_ms, record_ttl_ms)
-        a = e.args()
+        a = entry.args()
         out = await self._run(
             self._reserve,
-            [k.totals, k.reservations, k.expiry, k.record(request_id), k.index],
+            [k.totals, k.reservations, k.expiry, k.record(entry.request_id), k.index],
             [*a[:4], index_cap, *a[4:], purge_limit],
         )
         return _reserve_result(out)
@@ -375,7 +365,7 @@ class SchedulerStore:
     async def reserve_batch(
         self, entries: Sequence[ReserveEntry], index_cap: int, purge_limit: int = 64
     ) -> list[ReserveResult]:
-        """Group commit: every entry reserved and recorded as `reserve_and_record` would
+        """Group commit: every entry reserved and recorded as `reserve` would
         do it alone, in order, in one script call (one round trip for the batch)."""
         if not entries:
             return []

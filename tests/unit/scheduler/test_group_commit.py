@@ -31,8 +31,8 @@ class SlowStore:
             raise self.fail
         return [ReserveResult(ReserveStatus.RESERVED) for _ in entries]
 
-    async def reserve_and_record(self, request_id: str, *args: Any) -> ReserveResult:
-        self.singles.append(request_id)
+    async def reserve(self, entry: ReserveEntry, *args: Any) -> ReserveResult:
+        self.singles.append(entry.request_id)
         return ReserveResult(ReserveStatus.RESERVED)
 
 
