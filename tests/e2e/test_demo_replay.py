@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -91,15 +93,31 @@ def test_cli_runs_a_short_replay_writes_the_report_and_exits_zero(tmp_path: Path
 
 def test_the_default_demo_shows_the_fleets_heterogeneity(tmp_path: Path) -> None:
     """`hpd demo` as a newcomer runs it (only faster): the replay's rising rate takes
-    requests through both hand-offs and onto at least four of the five pools, and the
-    report says so in words."""
+    requests through every hand-off mode (transfer, recompute, same pool) and onto at least
+    four of the five pools, and the report says so in words."""
     out = tmp_path / "demo"
     argv = ["--time-scale", "3", "--no-serve", "--no-live", "--out", str(out)]
     argv += ["--registry-port", "0", "--scheduler-port", "0", "--kvbroker-port", "0"]
-    assert main(argv) == 0
+    hpd = Path(sys.executable).with_name("hpd")
+    done = subprocess.run(
+        [str(hpd), "demo", *argv], capture_output=True, text=True, timeout=600, check=False
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     doc = json.loads((out / "report.json").read_text())
     overall = doc["overall"]
-    assert {"transfer", "recompute"} <= set(overall["modes"]), overall["modes"]
+    assert {"transfer", "recompute", "same_pool"} <= set(overall["modes"]), overall["modes"]
     pools = {w["pool"] for w in doc["workers"].values()}
     assert len(pools) == 5 and len(set(overall["pools"]) & pools) >= 4, overall["pools"]
     assert doc["rate_scale"] == 1.0 and doc["rate_scale_end"] == 9.0
+    # each mode where the fleet's engines make it the only one: fp8 KV cannot take bf16
+    # transfers (recompute), engines without a KV connector run requests whole (same pool)
+    by_pool: dict[str, set[str]] = {}
+    for r in doc["requests"]:
+        if r["status"] == "completed":
+            by_pool.setdefault(r["decode_pool"], set()).add(r["mode_used"])
+    assert by_pool.get("l40s-decode-b") == {"recompute"}, by_pool
+    assert by_pool.get("l40s-shared-b") == {"same_pool"}, by_pool
+    words = " ".join(done.stdout.split())
+    assert "What just happened:" in words
+    for said in ("(transfer)", "(recompute)", "(same pool)"):
+        assert said in words, words[-1200:]

@@ -59,11 +59,11 @@ def alive(pid: int) -> bool:
     return Path(f"/proc/{pid}").exists()
 
 
-def metrics_up(port: int) -> bool:
-    """A scheduler's /metrics answers on ``port``."""
+def metrics_hold(port: int, needle: bytes = b"hpd_scheduler_fleet_workers") -> bool:
+    """A scheduler's /metrics answers on ``port`` with ``needle`` in it."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
-            return b"hpd_scheduler_fleet_workers" in resp.read()
+            return needle in resp.read()
     except OSError:
         return False
 
@@ -104,7 +104,17 @@ async def test_two_processes_serve_one_port_and_stop_together(
         kids = children(sup.pid)
         assert len(kids) == 2, kids
         await asyncio.to_thread(
-            wait_for, lambda: metrics_up(metrics) and metrics_up(metrics + 1), 20, "metrics"
+            wait_for, lambda: metrics_hold(metrics) and metrics_hold(metrics + 1), 20, "metrics"
+        )
+        # each process times its garbage collections (the start-up heap's collection first)
+        await asyncio.to_thread(
+            wait_for,
+            lambda: all(
+                metrics_hold(m, b'hpd_gc_pause_seconds_count{generation="2"}')
+                for m in (metrics, metrics + 1)
+            ),
+            20,
+            "gc pauses in metrics",
         )
         # connections are spread by the kernel: many channels reach both processes
         seen: set[str] = set()
@@ -155,7 +165,10 @@ async def test_two_processes_serve_one_port_and_stop_together(
             "the killed process replaced",
         )
         await asyncio.to_thread(
-            wait_for, lambda: metrics_up(metrics) and metrics_up(metrics + 1), 20, "metrics back"
+            wait_for,
+            lambda: metrics_hold(metrics) and metrics_hold(metrics + 1),
+            20,
+            "metrics back",
         )
         kids = children(sup.pid)
         # SIGTERM to the supervisor: every process stops, the port is free again

@@ -9,9 +9,11 @@ it, after installing the engines' virtualenv). The session fixture ``real`` star
 * one ``hpd agent`` per engine (workers ``p0`` and ``d0``; scrape period 0.5 s).
 
 The fixture ``fp32_prefill`` swaps the bf16 prefill engine for an fp32 one (worker ``x0``)
-for the tests of a pair whose KV really cannot move, and swaps it back afterwards. Two
-engines at a time: each engine's NIXL progress thread spins on its core, and a third
-engine sharing a core did not finish warming up in five minutes.
+for the tests of a pair whose KV really cannot move, and ``cache_pair`` runs two engines
+without a KV connector (workers ``c0`` and ``c1``, both stages, KV events with replay) in
+place of the P/D pair, for prefix routing between two engines; ``pd_pair`` brings the P/D
+pair back. Two engines at a time: each engine's NIXL progress thread spins on its core,
+and a third engine sharing a core did not finish warming up in five minutes.
 
 Logs go to ``HPD_REAL_LOG_DIR`` (the stage prints their tails when a test fails).
 """
@@ -46,6 +48,14 @@ from hpd_fleet.real import (
 from tests.support.processes import wait_serving
 
 SCRAPE_PERIOD_S = 0.5
+WORKERS: dict[str, tuple[str, str]] = {
+    "p0": ("prefill", "prefill"),
+    "x0": ("prefill32", "prefill"),
+    "d0": ("decode", "decode"),
+    "c0": ("cache0", "both"),
+    "c1": ("cache1", "both"),
+}
+"""Worker id -> (engine, role) of the engines the suite can run."""
 LEASE_TTL_MS = 10_000
 
 
@@ -109,26 +119,45 @@ class RealFleet:
             args += ["--kv-connector", "nixl", "--kv-side-channel", e.side_channel]
         if e.kv_events:
             args += ["--kv-events-endpoint", e.kv_events, "--kv-events-topic", "kv"]
+        if e.kv_replay:
+            args += ["--kv-events-replay-endpoint", e.kv_replay]
         return args + list(extra)
 
-    def start_agent(self, name: str, engine: str, worker_id: str, role: str) -> AgentProcess:
-        agent = AgentProcess(name, self.agent_args(engine, worker_id, role), self.log_dir)
+    def start_agent(
+        self, name: str, engine: str, worker_id: str, role: str, *extra: str
+    ) -> AgentProcess:
+        agent = AgentProcess(name, self.agent_args(engine, worker_id, role, *extra), self.log_dir)
         agent.start()
         return agent
 
     def use_prefill(self, engine: str) -> None:
-        """Run ``engine`` ("prefill", worker p0, or "prefill32", worker x0) on core 0 in
-        place of the other one, with its agent; nothing to do when it already runs."""
-        wanted, other = ("p0", "x0") if engine == "prefill" else ("x0", "p0")
-        if wanted in self.agents:
-            return
-        stale = self.agents.pop(other, None)
-        if stale is not None:
-            stale.stop()
-        self.engines["prefill32" if engine == "prefill" else "prefill"].kill()
-        self.engines[engine].start_ready()  # its agent starts after, on its final ports
-        self.agents[wanted] = self.start_agent(wanted, engine, wanted, "prefill")
-        self.wait_worker(wanted, timeout_s=60)
+        """Run ``engine`` ("prefill", worker p0, or "prefill32", worker x0) with the decode
+        engine (d0), in place of whatever else runs; nothing to do when they already run."""
+        self.run_workers("p0" if engine == "prefill" else "x0", "d0")
+
+    def run_workers(self, *wanted: str) -> None:
+        """Exactly these workers (keys of ``WORKERS``), each engine with its agent: the
+        others' agents stop and their engines are killed first (two engines at a time)."""
+        for wid in [w for w in self.agents if w in WORKERS and w not in wanted]:
+            self.agents.pop(wid).stop()
+            self.engines[WORKERS[wid][0]].kill()
+        todo = [w for w in wanted if w not in self.agents]
+        engines = [self.engines[WORKERS[w][0]] for w in todo]
+        for e in engines:
+            e.kill()  # one a test left without its agent
+            e.start()
+        for e in engines:
+            try:
+                e.wait_ready(150)
+            except (TimeoutError, RuntimeError):
+                e.kill()
+                e.start_ready()  # once more, on new ports (its agent starts after)
+        for wid in todo:
+            engine, role = WORKERS[wid]
+            extra = ("--kv-role", "none") if not self.engines[engine].spec.role else ()
+            self.agents[wid] = self.start_agent(wid, engine, wid, role, *extra)
+        for wid in todo:
+            self.wait_worker(wid, timeout_s=60)
 
     def worker(self, worker_id: str) -> r.GetWorkerResponse | None:
         try:
@@ -183,13 +212,26 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealFleet]:
     model_dir = write_tiny_model(tmp_path_factory.mktemp("model") / "tiny", venv)
     specs = [
         EngineSpec(
-            "prefill", pick_port(), 0, "kv_producer", pick_port(), kv_events_port=pick_port()
+            "prefill",
+            pick_port(),
+            0,
+            "kv_producer",
+            pick_port(),
+            kv_events_port=pick_port(),
+            kv_replay_port=pick_port(),
         ),
         # KV events on the prefill engine only: the shared-prefix test needs that side, and
         # the decode side's would let the planner prefer recompute on d0 for a repeated
         # prompt, which the other tests here do not expect
         EngineSpec("decode", pick_port(), 1, "kv_consumer", pick_port()),
         EngineSpec("prefill32", pick_port(), 0, "kv_producer", pick_port(), dtype="float32"),
+        # no KV connector (so no spinning NIXL thread): both stages on each, KV events
+        *(
+            EngineSpec(
+                f"cache{i}", pick_port(), i, kv_events_port=pick_port(), kv_replay_port=pick_port()
+            )
+            for i in (0, 1)
+        ),
     ]
     engines = {s.name: EngineProcess(s, venv, model_dir, log_dir) for s in specs}
     t0 = time.monotonic()
@@ -275,6 +317,15 @@ def fp32_prefill(real: RealFleet) -> RealFleet:
     """The bf16 prefill engine (p0) replaced by an fp32 one (x0) on the same core; it stays
     until a test asks for ``pd_pair`` (swapping costs an engine start each way)."""
     real.use_prefill("prefill32")
+    return real
+
+
+@pytest.fixture
+def cache_pair(real: RealFleet) -> RealFleet:
+    """Two engines without a KV connector (c0 on core 0, c1 on core 1; both stages, KV
+    events with replay) in place of the P/D pair; registered, healthy and idle."""
+    real.run_workers("c0", "c1")
+    real.settle("c0", "c1")
     return real
 
 

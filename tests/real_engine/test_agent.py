@@ -106,9 +106,10 @@ def _flood(url: str, n: int, max_tokens: int) -> list[threading.Thread]:
     return threads
 
 
-def test_load_in_the_registry_follows_the_engine(real: RealFleet) -> None:
+def test_load_in_the_registry_follows_the_engine(pd_pair: RealFleet) -> None:
     """With N requests in flight on the decode engine, the registry shows them within two
     scrape periods of the engine's own /metrics showing them."""
+    real = pd_pair
     n = 4
     engine = real.engines["decode"]
     threads = _flood(engine.url, n, max_tokens=300)

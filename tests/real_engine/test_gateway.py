@@ -159,13 +159,17 @@ def both_worker(pd_pair: RealFleet) -> Iterator[RealFleet]:
     """A second worker on the prefill engine serving both stages: somewhere to fall back to
     when the decode engine dies. Its id sorts after d0's, so the gateway counts tokens on
     the decode engine first (the test freezes the prefill engine). Its engine is a NIXL
-    producer (``--kv-role producer``): it runs requests whole, and no plan sends it KV."""
+    producer (``--kv-role producer``): it runs requests whole, and no plan sends it KV.
+    It is described as a tenth of a core (the flags after the shared ones win), so the
+    planner prefers the P/D pair and keeps this worker as the fallback it is here for: on
+    equal figures a short request served whole on one worker is rightly the cheaper plan."""
     real = pd_pair
     agent = AgentProcess(
         "zb0",
         [
             *real.agent_args("prefill", "zb0", "both"),
             "--pool-id", "cpu-both", "--kv-role", "producer",
+            "--peak-tflops", "0.05", "--hbm-gbps", "2",
         ],
         real.log_dir,
     )  # fmt: skip

@@ -93,10 +93,20 @@ class AgentSettings:
     kv_events_topic: str = field(
         default="", metadata={"help": "topic of the KV event messages ('' = every topic)"}
     )
+    kv_events_replay_endpoint: str = field(
+        default="",
+        metadata={
+            "help": "the engine's KV event replay socket, e.g. tcp://127.0.0.1:5558 (vLLM:"
+            " replay_endpoint in --kv-events-config): on start and after lost messages the"
+            " agent reports the engine's kept history, so the prefix index holds what the"
+            " engine cached before this agent started; empty = the index starts empty"
+        },
+    )
     kv_role: str = field(
         default="",
         metadata={
-            "help": "which way the connector moves KV: producer, consumer or both (label;"
+            "help": "which way the connector moves KV: producer, consumer, both, or none"
+            " for an engine without a KV connector (never a transfer's end; label;"
             " default: prefill -> producer, decode -> consumer, both -> both)"
         },
     )
@@ -196,6 +206,7 @@ async def _run(s: AgentSettings, flags: AgentFlags) -> int:
         identity=CallIdentity(s.token, s.ca_file, s.cert_file, s.key_file),
         kv_events_endpoint=s.kv_events_endpoint,
         kv_events_topic=s.kv_events_topic,
+        kv_events_replay_endpoint=s.kv_events_replay_endpoint,
     )
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -140,10 +140,12 @@ class Agent:
         identity: CallIdentity | None = None,
         kv_events_endpoint: str = "",
         kv_events_topic: str = "",
+        kv_events_replay_endpoint: str = "",
     ) -> None:
         self.flags = flags
         self.kv_events_endpoint = kv_events_endpoint
         self.kv_events_topic = kv_events_topic
+        self.kv_events_replay_endpoint = kv_events_replay_endpoint
         self.kv_relay: KvEventRelay | None = None
         self.adapter = adapter
         self.model_dir = model_dir
@@ -315,7 +317,10 @@ class Agent:
         relay_task: asyncio.Task[None] | None = None
         if self.kv_events_endpoint:
             relay = KvEventRelay(
-                self.kv_events_endpoint, self._report_kv_events, self.kv_events_topic
+                self.kv_events_endpoint,
+                self._report_kv_events,
+                self.kv_events_topic,
+                replay_endpoint=self.kv_events_replay_endpoint,
             )
             self.kv_relay = relay
             relay_task = asyncio.get_running_loop().create_task(relay.run())

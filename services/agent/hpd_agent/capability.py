@@ -33,7 +33,7 @@ from urllib.parse import urlsplit
 from hpd_common.kvformat import KvDtype, KvFormat
 from hpd_registry.domain import NetworkLocation, Stage, WorkerSpec
 
-from .engines import EngineFacts, ModelGeometry
+from .engines import EngineFacts, ModelGeometry, model_size_from_config
 
 __all__ = ["ROLES", "AgentFlags", "CapabilityError", "build_spec", "config_revision", "host_port"]
 
@@ -104,14 +104,16 @@ def _safe(text: str) -> str:
     return _UNSAFE.sub("-", text).strip("-")[:128] or "x"
 
 
-KV_ROLES = ("producer", "consumer", "both")
+KV_ROLES = ("producer", "consumer", "both", "none")
 
 
 def kv_role_of(flags: AgentFlags) -> str:
     """Which way the engine's KV connector moves KV: ``producer`` (sends only: vLLM's
-    ``kv_producer``), ``consumer`` (receives only) or ``both``. ``--kv-role`` when given,
-    else the role's: prefill -> producer, decode -> consumer, both -> both. The scheduler
-    never plans a transfer out of a consumer or into a producer."""
+    ``kv_producer``), ``consumer`` (receives only), ``both``, or ``none`` (the engine runs
+    no KV connector: it serves requests whole, prefill and decode on itself). ``--kv-role``
+    when given, else the role's: prefill -> producer, decode -> consumer, both -> both. The
+    scheduler never plans a transfer out of a consumer or ``none``, nor into a producer or
+    ``none``."""
     if flags.kv_role:
         if flags.kv_role not in KV_ROLES:
             known = ", ".join(KV_ROLES)
@@ -184,6 +186,9 @@ def build_spec(
         labels["kv-role"] = kv_role_of(flags)
     if facts.bootstrap_port:
         labels["bootstrap-port"] = str(facts.bootstrap_port)
+    size = model_size_from_config(config_bytes.decode("utf-8", "replace")) if config_bytes else None
+    if size is not None:  # for the scheduler's performance model (capacity.resolve_model)
+        labels["model-params"], labels["model-attention-width"] = str(size[0]), str(size[1])
     return WorkerSpec(
         worker_id=flags.worker_id or _safe(f"{facts.engine}-{host}-{port}"),
         pool_id=flags.pool_id or _safe(f"{model_id}-{flags.role}-{flags.gpu_type}".lower()),

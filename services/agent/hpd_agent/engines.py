@@ -109,6 +109,43 @@ def geometry_from_config(text: str, source: str = "config.json") -> ModelGeometr
     return ModelGeometry(layers, kv_heads, head_dim, str(dtype))
 
 
+def model_size_from_config(text: str) -> tuple[int, int] | None:
+    """(parameters a token goes through, attention width = query heads x head dim) of a
+    Hugging Face ``config.json``, or None when it lacks the numbers. The scheduler's
+    performance model prices compute by parameter count; for a model outside its table it
+    otherwise assumes 8 B, which made a 3 M parameter model look 2,600x slower than it is.
+
+    Per layer: q and o projections (width x hidden each), k and v (kv heads x head dim x
+    hidden each), and a gated MLP (3 x hidden x intermediate; for a mixture of experts, times
+    the experts a token is routed to); plus the embedding and, unless tied, the output head
+    (vocab x hidden each). Norms and biases are left out (well under 1 %)."""
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(cfg, dict):
+        return None
+    if "num_hidden_layers" not in cfg and isinstance(cfg.get("text_config"), dict):
+        cfg = {**cfg, **cfg["text_config"]}
+
+    def num(key: str, default: int = 0) -> int:
+        value = cfg.get(key, default)
+        ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+        return int(value) if ok else 0
+
+    layers, hidden, heads = num("num_hidden_layers"), num("hidden_size"), num("num_attention_heads")
+    if not (layers and hidden and heads):
+        return None
+    kv_heads = num("num_key_value_heads") or heads
+    head_dim = num("head_dim") or hidden // heads
+    inter = num("intermediate_size") or 4 * hidden
+    routed = num("num_experts_per_tok") or 1
+    width = heads * head_dim
+    per_layer = 2 * width * hidden + 2 * kv_heads * head_dim * hidden + 3 * hidden * inter * routed
+    embeddings = num("vocab_size") * hidden * (1 if cfg.get("tie_word_embeddings") else 2)
+    return layers * per_layer + embeddings, width
+
+
 _SIXTEEN_BIT = {"bfloat16": KvDtype.BF16, "bf16": KvDtype.BF16, "float16": KvDtype.FP16,
                 "fp16": KvDtype.FP16, "half": KvDtype.FP16}  # fmt: skip
 _NAMED = {

@@ -21,6 +21,26 @@ cannot be keyed and is skipped (a missed hit, never a wrong one). A gap in the s
 numbers (messages lost) clears everything: the index may then miss blocks the engine still
 holds, but never claims one it dropped.
 
+**Replay** (vLLM's ``replay_endpoint`` in the same ``--kv-events-config``, a ZMQ ROUTER
+that keeps the engine's last ``buffer_steps`` batches, 10,000 by default): a DEALER sends
+``[b"", start sequence (8 bytes, big-endian)]`` and gets back every kept batch from there
+as ``[b"", (topic,) sequence, payload]``, then a sequence of -1. With it the relay
+
+* on start (an agent that restarts while its engine runs, or a worker that registers
+  again) asks for everything from sequence 0 and reports a clear followed by the replayed
+  history: the index holds the engine's whole cache again, not only what it stores from
+  now on (when the engine's buffer no longer reaches back to 0 the older blocks are
+  missing: missed hits, never wrong ones);
+* on a gap asks for the missing batches and goes on without a clear when they are all
+  there (an engine that restarted, seen as its sequence going back, is replayed from 0
+  after a clear);
+* after a report that did not reach the registry (which clears the worker's entry at the
+  next one), reports the replayed history again rather than only what came after;
+* drops the live batches the replay already gave (the subscription runs during it).
+
+Without a replay endpoint (or one that does not answer in ``replay_timeout_s``) the relay
+behaves as without replay: a clear on start and on every gap.
+
 :class:`KvEventRelay` subscribes (pyzmq's asyncio socket), decodes, and hands the events
 to ``report`` in batches (every ``flush_s`` or ``max_batch`` events); the agent's report
 is ``ReportKvEvents`` with the worker's credential. msgpack and pyzmq are the libraries the
@@ -66,17 +86,28 @@ class VllmKvDecoder:
         if len(frames) < 2:
             self.bad += 1
             return []
-        seq_raw, payload = frames[-2], frames[-1]
+        return self.batch(sequence(frames), frames[-1])
+
+    def batch(self, seq: int | None, payload: bytes) -> list[KvEvent]:
+        """One batch and its sequence number (None when the message had none)."""
         out: list[KvEvent] = []
-        if len(seq_raw) == 8:
-            seq = int.from_bytes(seq_raw, "big")
-            if self.last_seq is not None and seq != self.last_seq + 1:
+        if seq is not None:
+            if not self.in_order(seq):
                 # messages were lost: nothing we hold can be trusted any more
                 self.gaps += 1
-                self._key_of.clear()
-                out.append(("c", []))
+                out.append(self.reset())
             self.last_seq = seq
         return out + self.payload(payload)
+
+    def in_order(self, seq: int) -> bool:
+        """Whether ``seq`` is the next batch (or the first one seen)."""
+        return self.last_seq is None or seq == self.last_seq + 1
+
+    def reset(self) -> KvEvent:
+        """Forget every block and the sequence; the clear to report."""
+        self._key_of.clear()
+        self.last_seq = None
+        return ("c", [])
 
     def payload(self, payload: bytes) -> list[KvEvent]:
         try:
@@ -143,6 +174,16 @@ class VllmKvDecoder:
         return ("h" if parent is None else "s", list(keys))
 
 
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+"""The sequence that ends a replay."""
+
+
+def sequence(frames: Sequence[bytes]) -> int | None:
+    """The sequence number of a message (its last frame but one), None without one."""
+    raw = frames[-2] if len(frames) >= 2 else b""
+    return int.from_bytes(raw, "big") if len(raw) == 8 else None
+
+
 def _h(value: Any) -> Hashable:
     out: Hashable = tuple(value) if isinstance(value, list) else value
     return out
@@ -155,6 +196,10 @@ def _field(fields: Any, name: str, index: int) -> Any:
 
 
 Report = Callable[[int, list[KvEvent]], Awaitable[None]]
+
+REBUILD_SPACING_S = 1.0
+"""While reports fail (the registry away), the engine's history is replayed for the next
+report at most this often: a replay sends every kept batch."""
 
 
 class KvEventRelay:
@@ -169,16 +214,24 @@ class KvEventRelay:
         topic: str = "",
         flush_s: float = 0.05,
         max_batch: int = 256,
+        replay_endpoint: str = "",
+        replay_timeout_s: float = 2.0,
     ) -> None:
         self.endpoint = endpoint
         self.topic = topic
         self.report = report
         self.flush_s = flush_s
         self.max_batch = max_batch
+        self.replay_endpoint = replay_endpoint
+        self.replay_timeout_s = replay_timeout_s
         self.decoder = VllmKvDecoder()
         self.reported = 0
         self.failed = 0
+        self.replays = 0  # replays that answered
+        self.replayed = 0  # batches they gave
         self._dirty = True  # start clean: the index knows nothing of this engine yet
+        self._skip_through: int | None = None  # live batches the last replay gave
+        self._rebuild_at = 0.0  # no replay for a lost report before then (loop time)
 
     async def run(self) -> None:
         ctx = zmq.asyncio.Context.instance()
@@ -186,25 +239,129 @@ class KvEventRelay:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
         sock.connect(self.endpoint)
-        log.info("kv_events_subscribed", endpoint=self.endpoint, topic=self.topic)
+        log.info(
+            "kv_events_subscribed",
+            endpoint=self.endpoint,
+            topic=self.topic,
+            replay=self.replay_endpoint or None,
+        )
         pending: list[KvEvent] = []
+        if self.replay_endpoint:  # the engine's history so far (module docstring)
+            pending.extend(await self._resync(0))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.flush_s
+        # One receive stays pending across flush deadlines and is never cancelled: a
+        # receive cancelled by a timeout in the loop iteration its message arrived in
+        # loses that message (the task is cancelled after the socket gave it up), and a
+        # lost batch is only noticed at the engine's next one, maybe much later.
+        recv: asyncio.Future[list[bytes]] | None = None
         try:
             while True:
                 wait = max(0.0, deadline - loop.time())
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(wait):
-                        frames = await sock.recv_multipart()
-                    pending.extend(self.decoder.message(frames))
+                if recv is None:
+                    recv = asyncio.ensure_future(sock.recv_multipart())
+                done, _ = await asyncio.wait([recv], timeout=wait)
+                if done:
+                    frames, recv = recv.result(), None
+                    pending.extend(await self._live(frames))
                 if pending and (len(pending) >= self.max_batch or loop.time() >= deadline):
+                    if (
+                        self._dirty
+                        and self.failed
+                        and self.replay_endpoint
+                        and loop.time() >= self._rebuild_at
+                    ):  # a report was lost: the engine's kept history in its place
+                        self._rebuild_at = loop.time() + REBUILD_SPACING_S
+                        self.decoder.reset()
+                        pending = await self._resync(0)
                     await self._flush(pending)
                     pending = []
                 if loop.time() >= deadline:
                     deadline = loop.time() + self.flush_s
         finally:
+            if recv is not None:
+                recv.cancel()
             with contextlib.suppress(Exception):
                 sock.close(linger=0)
+
+    async def _live(self, frames: list[bytes]) -> list[KvEvent]:
+        """One message of the subscription, with the replay's duplicates dropped and a
+        gap filled from the replay when it can be."""
+        seq = sequence(frames)
+        if seq is not None and self._skip_through is not None:
+            if seq <= self._skip_through:
+                return []  # the replay gave it already
+            self._skip_through = None
+        out: list[KvEvent] = []
+        decoder = self.decoder
+        if seq is not None and self.replay_endpoint and not decoder.in_order(seq):
+            last = decoder.last_seq
+            assert last is not None  # in_order is true without one
+            if seq > last:
+                out.extend(await self._resync(last + 1))  # lost batches
+            else:  # the sequence went back: the engine restarted
+                out.append(decoder.reset())
+                out.extend(await self._resync(0))
+            if decoder.last_seq is not None and seq <= decoder.last_seq:
+                return out
+        return out + decoder.message(frames)
+
+    async def _resync(self, start: int) -> list[KvEvent]:
+        """The engine's kept batches from ``start`` on, decoded in order (a batch missing
+        at the start shows as a gap: the decoder clears)."""
+        got = await self._replay(start)
+        out: list[KvEvent] = []
+        decoder = self.decoder
+        for seq, payload in got:
+            if decoder.last_seq is not None and seq <= decoder.last_seq:
+                continue
+            out.extend(decoder.batch(seq, payload))
+        if got:
+            self._skip_through = decoder.last_seq
+            log.info(
+                "kv_events_replayed",
+                start=start,
+                first=got[0][0],
+                last=got[-1][0],
+                batches=len(got),
+                complete=got[0][0] == start,
+            )
+        return out
+
+    async def _replay(self, start: int) -> list[tuple[int, bytes]]:
+        """Ask the replay endpoint for every batch from ``start``; [] when it does not
+        answer in time (the relay then goes on as without replay)."""
+        ctx = zmq.asyncio.Context.instance()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        out: list[tuple[int, bytes]] = []
+        try:
+            sock.connect(self.replay_endpoint)
+            await sock.send_multipart([b"", start.to_bytes(8, "big")])
+            async with asyncio.timeout(self.replay_timeout_s):
+                while True:
+                    frames = await sock.recv_multipart()
+                    if len(frames) >= 2 and frames[-2] == END_SEQ:
+                        break
+                    seq = sequence(frames)
+                    if seq is None:
+                        self.decoder.bad += 1
+                        continue
+                    out.append((seq, frames[-1]))
+        except (TimeoutError, zmq.ZMQError) as exc:
+            log.info(
+                "kv_events_replay_failed",
+                endpoint=self.replay_endpoint,
+                start=start,
+                error=type(exc).__name__,
+                got=len(out),
+            )
+            return []
+        finally:
+            sock.close(linger=0)
+        self.replays += 1
+        self.replayed += len(out)
+        return out
 
     async def _flush(self, events: list[KvEvent]) -> None:
         if self._dirty:

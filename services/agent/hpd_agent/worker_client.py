@@ -196,11 +196,30 @@ class WorkerClient:
         """Stop heartbeating; deregister (a clean exit) unless told not to."""
         await self._halt()
         if deregister and self.credential:
-            with contextlib.suppress(grpc.aio.AioRpcError):
-                await self._registry.DeregisterWorker(
-                    r.DeregisterWorkerRequest(worker_id=self.worker_id, credential=self.credential),
-                    timeout=self.timing.rpc_timeout_s,
-                )
+            await self._deregister()
+
+    async def _deregister(self, attempts: int = 3) -> None:
+        """DeregisterWorker, tried again while the registry answers UNAVAILABLE or misses
+        the deadline (a busy registry must not leave a gone engine planned on until its lease
+        lapses); when every attempt fails the lease still takes the worker out, and the log
+        says so."""
+        req = r.DeregisterWorkerRequest(worker_id=self.worker_id, credential=self.credential)
+        for attempt in range(attempts):
+            try:
+                await self._registry.DeregisterWorker(req, timeout=self.timing.rpc_timeout_s)
+                return
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in _LEASE_LOST:
+                    return  # already gone (its lease lapsed, or an operator removed it)
+                if exc.code() not in _RETRYABLE or attempt == attempts - 1:
+                    log.warning(
+                        "deregister_failed",
+                        worker_id=self.worker_id,
+                        code=exc.code().name,
+                        note="the worker leaves when its lease lapses",
+                    )
+                    return
+            await asyncio.sleep(self.timing.backoff_s(attempt, self._rng))
 
     async def kill(self) -> None:
         """A crash: heartbeats stop, nothing is said; the lease lapses at the registry."""

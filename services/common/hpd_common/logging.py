@@ -15,6 +15,28 @@ import structlog
 _configured = False
 
 
+class _Stderr:
+    """Where log lines go: the process's stderr as it is at each write (not the stream it
+    was when logging was configured), and a line that cannot be written (the stream closed,
+    its reader gone) is dropped and counted instead of raising into the caller. A service's
+    background loop that logs its own failure must not die because its log pipe did."""
+
+    dropped = 0
+
+    def write(self, text: str) -> int:
+        try:
+            return sys.stderr.write(text)
+        except (OSError, ValueError):  # EPIPE, "I/O operation on closed file"
+            _Stderr.dropped += 1
+            return 0
+
+    def flush(self) -> None:
+        try:
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            _Stderr.dropped += 1
+
+
 def configure_logging(level: str = "info", json_logs: bool | None = None) -> None:
     """Configures structlog and the stdlib root logger; later calls only change the level."""
     global _configured
@@ -38,7 +60,7 @@ def configure_logging(level: str = "info", json_logs: bool | None = None) -> Non
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_Stderr()),  # type: ignore[arg-type]
         cache_logger_on_first_use=False,
     )
     logging.basicConfig(level=max(numeric, logging.WARNING), stream=sys.stderr)

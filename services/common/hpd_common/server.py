@@ -323,6 +323,26 @@ class GrpcServer:
         log.info("server_stopped", service=self.name)
 
 
+FREEZE_ENV = "HPD_GC_FREEZE"
+
+
+def freeze_startup_heap() -> int:
+    """Collect once, then move every object left to the collector's permanent generation
+    (:func:`gc.freeze`): the modules, settings, compiled policy and channels a service
+    builds at start-up live until it exits, and without this every full collection walks
+    them again while the event loop waits (``hpd_gc_pause_seconds`` shows it). Later
+    objects are collected as before. ``HPD_GC_FREEZE=0`` leaves the heap as it is. Returns
+    the objects frozen (0 when left)."""
+    import gc
+    import os
+
+    if os.environ.get(FREEZE_ENV, "1") == "0":
+        return 0
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 async def run_until_signal(
     servers: Sequence[GrpcServer],
     on_started: Callable[[], Awaitable[None]] | None = None,
@@ -341,6 +361,7 @@ async def run_until_signal(
             started.append(server)
         if on_started is not None:
             await on_started()
+        log.info("startup_heap_frozen", objects=freeze_startup_heap())
         await stop.wait()
         log.info("shutdown_requested")
     finally:

@@ -24,6 +24,7 @@ from hpd_common.embedded_redis import EmbeddedRedis
 from hpd_common.errors import InvalidArgument
 from hpd_common.logging import configure_logging, get_logger
 from hpd_common.metrics import serve_metrics
+from hpd_common.server import freeze_startup_heap
 from hpd_common.settings import coerce
 
 log = get_logger("up")
@@ -197,6 +198,7 @@ async def _serve(args: argparse.Namespace, redis_url: str) -> None:
             reads = "need a token" if args.closed_reads else "are open"
             print(f"hpd: auth on (tokens: {tokens_file}); reads {reads}", flush=True)
         print(f"hpd: state store {redis_url}; Ctrl-C to stop", flush=True)
+        log.info("startup_heap_frozen", objects=freeze_startup_heap())
         await stop.wait()
         log.info("shutdown_requested")
     finally:

@@ -5,7 +5,11 @@ It starts an embedded Redis (a private ``redis-server`` with an append-only file
 state directory; ``--redis-url`` uses yours instead), the registry, KV broker and scheduler
 in this process, the fleet of ``--cluster`` (default: the package's ``demo_cluster.yaml``),
 then replays ``--duration`` seconds of ``--trace`` (default: the Azure conversation trace)
-at ``--rate-scale`` x its rate, ``--time-scale`` x faster than real time. It shows a live
+at ``--rate-scale`` x its rate. In real time every request goes as an OpenAI client sends
+it, over HTTP through ``hpd gateway`` (started as a process of its own) to the emulated
+engines' HTTP servers (``hpd_fleet.engine_http``: vLLM's routes, metrics and KV hand-off),
+the path real engines take; ``--time-scale`` x faster than real time (or ``--in-process``,
+or ``--attach``), plans are executed in this process (``hpd_fleet.gateway``). It shows a live
 progress bar and per-pool table, prints a report per tier, cross-checks the report against
 the route records in Redis (``ListRouteRecords``), writes ``report.json`` (and PNG plots when
 matplotlib is installed) under ``--out``, and keeps the services up for grpcurl until Ctrl-C
@@ -21,6 +25,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import json
 import math
 import random
 import sys
@@ -40,17 +45,21 @@ from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
 from hpd_agent.worker_client import ClientTiming
 from hpd_common.clock import SystemClock
 from hpd_common.controlplane import ControlPlane, ControlPlaneSettings
-from hpd_common.embedded_redis import EmbeddedRedis
+from hpd_common.embedded_redis import EmbeddedRedis, free_port
 from hpd_common.logging import configure_logging, get_logger
 from hpd_common.traces import Trace, load_trace, reshape
+from hpd_gateway.service import REPLAN_SUFFIX
 from hpd_scheduler.sim.cluster import ClusterSpec, load_cluster
 from hpd_scheduler.sim.metrics import Slo
 
 from .engine import EmuTime
+from .engine_http import FleetHttp
 from .faults import Fault, FaultInjector, parse_fault
 from .fleet import Fleet, default_cluster_path
-from .gateway import DECISION_NAMES, Gateway, GatewayConfig, RequestRecord
+from .gateway import DECISION_NAMES, Gateway, GatewayConfig, Replay, RequestRecord
 from .live import LiveView
+from .real import AgentProcess, wait_http
+from .replay import HttpReplay
 from .report import build_report, format_report, plot_report, write_report
 
 __all__ = ["DemoOptions", "DemoResult", "main", "parser", "reconcile", "run_demo"]
@@ -97,6 +106,10 @@ class DemoOptions:
     # registry, scheduler, kvbroker addresses of a running control plane: attach the fleet
     # and the replay to it instead of starting one (the compose `fleet` profile does this)
     attach: tuple[str, str, str] | None = None
+    # replay through `hpd gateway` over the emulated engines' HTTP (the real front door and
+    # the engines' protocol) instead of executing plans in this process
+    via_gateway: bool = False
+    gateway_port: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +152,9 @@ def reconcile(records: Sequence[RequestRecord], route: Sequence[s.RouteRecord]) 
     by_id = {r.request_id: r for r in route}
     mismatches: list[str] = []
     for rec in records:
-        rr = by_id.get(rec.request_id)
+        # a plan whose fallback chain ran out is re-planned once by `hpd gateway` under
+        # ``<id>:replan``: that record carries the request's final outcome
+        rr = by_id.get(f"{rec.request_id}{REPLAN_SUFFIX}") or by_id.get(rec.request_id)
         decision = DECISION_NAMES.get(rr.decision, "") if rr is not None else ""
         if rec.status in ("completed", "failed"):
             if rr is None or decision not in ("primary", "reroute"):
@@ -154,7 +169,7 @@ def reconcile(records: Sequence[RequestRecord], route: Sequence[s.RouteRecord]) 
         elif rr is None or decision != "reject":
             mismatches.append(f"{rec.request_id}: rejected but record {decision or 'none'}")
     known = {r.request_id for r in records}
-    strays = [rid for rid in by_id if rid not in known]
+    strays = [rid for rid in by_id if rid.removesuffix(REPLAN_SUFFIX) not in known]
     mismatches += [f"{rid}: route record without a request" for rid in strays]
     counts: dict[str, int] = {}
     for r in route:
@@ -170,7 +185,7 @@ def reconcile(records: Sequence[RequestRecord], route: Sequence[s.RouteRecord]) 
     }
 
 
-async def _wait_fleet_seen(cp: ControlPlane, worker_ids: Sequence[str], timeout_s: float) -> None:
+async def wait_fleet_seen(cp: ControlPlane, worker_ids: Sequence[str], timeout_s: float) -> None:
     """Until the in-process scheduler's fleet view holds every worker with a load report."""
     svc: Any = cp.scheduler.component.service  # type: ignore[union-attr]
     loop = asyncio.get_running_loop()
@@ -219,6 +234,33 @@ async def _wait_fleet_registered(
             pass
         await asyncio.sleep(0.2)
     raise TimeoutError(f"the control plane did not see the fleet within {timeout_s} s")
+
+
+async def _start_gateway(
+    opts: DemoOptions, targets: tuple[str, str, str], out_dir: Path | None
+) -> tuple[AgentProcess, str]:
+    """``hpd gateway`` in a process of its own, as it is deployed (the demo's process runs
+    the control plane, every engine and the clients: with the gateway too, its one core
+    would time everything). Its log goes to ``<out>/gateway-demo.log``."""
+    registry, scheduler, broker = targets
+    port = opts.gateway_port or free_port()
+    url = f"http://{opts.host}:{port}"
+    proc = AgentProcess(
+        "demo",
+        [
+            "--host", opts.host, "--port", str(port), "--scheduler", scheduler,
+            "--broker", broker, "--registry", registry, "--log-level", "warning",
+        ],
+        out_dir or Path(tempfile.gettempdir()),
+        command="gateway",
+    )  # fmt: skip
+    proc.start()
+    try:
+        await asyncio.to_thread(wait_http, url + "/health", 30.0)
+    except TimeoutError:
+        proc.stop()
+        raise
+    return proc, url
 
 
 async def _tiers(stub: s_grpc.SchedulerServiceStub) -> dict[str, Slo]:
@@ -283,10 +325,14 @@ async def run_demo(
     )
     stub = s_grpc.SchedulerServiceStub(sch_ch)
     live: LiveView | None = None
+    fleet_http = FleetHttp(fleet, opts.host) if opts.via_gateway else None
+    front: AgentProcess | None = None
     try:
+        if fleet_http is not None:
+            await fleet_http.start()
         await fleet.start()
         if cp is not None:
-            await _wait_fleet_seen(cp, list(fleet.workers), timeout_s=15)
+            await wait_fleet_seen(cp, list(fleet.workers), timeout_s=15)
         else:
             await _wait_fleet_registered(reg_ch, sch_ch, list(fleet.workers), timeout_s=60)
         tier_slos = await _tiers(stub)
@@ -294,16 +340,20 @@ async def run_demo(
             (t, 1.0) for t in tier_slos
         )
         run_id = f"demo{clock.now_ms() % 10**10:010d}"
-        gateway = Gateway(
-            sch_ch,
-            fleet,
-            emu,
-            random.Random(rng.random()),
-            GatewayConfig(
-                **{**_config_dict(opts.gateway), "tier_mix": mix, "model_id": cluster.model.name}
-            ),
-            run_id=run_id,
+        gw_config = GatewayConfig(
+            **{**_config_dict(opts.gateway), "tier_mix": mix, "model_id": cluster.model.name}
         )
+        gateway: Replay
+        if fleet_http is None:
+            gateway = Gateway(
+                sch_ch, fleet, emu, random.Random(rng.random()), gw_config, run_id=run_id
+            )
+        else:
+            front, url = await _start_gateway(opts, targets, opts.out)
+            gateway = HttpReplay(
+                url, sch_ch, emu, random.Random(rng.random()), gw_config, run_id=run_id
+            )
+            print(f"hpd demo: requests go through hpd gateway at {url}", file=out, flush=True)
         print(
             f"hpd demo: {len(fleet.workers)} emulated workers in {len(fleet.pools())} pools "
             f"({cluster.gpus} GPUs, ${cluster.price_per_hour:.2f}/h assumed); replaying "
@@ -388,12 +438,25 @@ async def run_demo(
             print(plot_report(records, report, opts.out), file=out)
         out.flush()
         if opts.serve and cp is not None:
+            curl, front_url = "", ""
+            if isinstance(gateway, HttpReplay):
+                front_url = gateway.url
+                body = json.dumps(
+                    {"model": cluster.model.name, "prompt": "Hello there", "max_tokens": 8}
+                )
+                curl = (
+                    f"  curl -s {gateway.url}/v1/completions -H 'content-type: "
+                    f"application/json' -d '{body}'\n"
+                )
             print(
                 f"\nserving: registry {registry_target}, scheduler {scheduler_target}, "
-                f"kvbroker {kvbroker_target}; try\n"
+                f"kvbroker {kvbroker_target}"
+                + (f", gateway {front_url}" if front_url else "")
+                + "; try\n"
                 f"  grpcurl -plaintext {scheduler_target} list\n"
                 f"  grpcurl -plaintext -d '{{\"page_size\": 5}}' {scheduler_target} "
                 "hetero_pd.v1.SchedulerService/ListRouteRecords\n"
+                f"{curl}"
                 "Ctrl-C to stop",
                 file=out,
                 flush=True,
@@ -403,7 +466,11 @@ async def run_demo(
     finally:
         if live is not None:
             await live.stop()
+        if front is not None:
+            await asyncio.to_thread(front.stop)
         await fleet.stop()
+        if fleet_http is not None:
+            await fleet_http.stop()
         for ch in channels:
             await ch.close()
         if cp is not None:
@@ -533,11 +600,38 @@ def parser() -> argparse.ArgumentParser:
         help="attach the fleet and the replay to a running control plane at these host:port "
         "addresses instead of starting one; exits after the report",
     )
+    path = p.add_mutually_exclusive_group()
+    path.add_argument(
+        "--via-gateway", action="store_true",
+        help="send every request as an OpenAI client would, over HTTP through `hpd gateway`"
+        " (a process of its own, the front door real engines sit behind) to emulated engines"
+        " speaking vLLM's HTTP protocol and KV hand-off. The default in real time without"
+        " --attach",
+    )  # fmt: skip
+    path.add_argument(
+        "--in-process", action="store_true",
+        help="execute plans inside this process instead of through the gateway (the default"
+        " with --time-scale or --attach: the gateway times requests by the wall clock)",
+    )  # fmt: skip
+    p.add_argument(
+        "--gateway-port", type=int, default=0,
+        help="the gateway's port when requests go through it (default: any free one)",
+    )  # fmt: skip
     p.add_argument("--log-level", default="error")
     return p
 
 
 def options_from(args: argparse.Namespace) -> DemoOptions:
+    if args.via_gateway and args.time_scale != 1.0:
+        raise ValueError(
+            "--via-gateway runs in real time (the gateway times requests by the wall clock): "
+            "drop --time-scale, or add --in-process"
+        )
+    # through the real front door unless time is scaled or the plane is someone else's (its
+    # gateway, tokens and certificates are the operator's to run)
+    via_gateway = args.via_gateway or (
+        not args.in_process and args.time_scale == 1.0 and not args.attach
+    )
     at = max(0.0, args.fault_at) * args.duration / args.time_scale
     faults = []
     for kind, value in (
@@ -568,6 +662,8 @@ def options_from(args: argparse.Namespace) -> DemoOptions:
         faults=tuple(faults),
         log_level=args.log_level,
         attach=_attach(args.attach),
+        via_gateway=via_gateway,
+        gateway_port=args.gateway_port,
     )
 
 

@@ -154,6 +154,7 @@ class _Seq:
     joined_at_ms: float = 0.0
     produced: int = 0
     step_sum_ms: float = 0.0
+    on_tokens: Callable[[int], None] | None = None
 
 
 @dataclass(slots=True)
@@ -294,15 +295,24 @@ class EmulatedEngine:
         self._wake.set()
         return await job.done
 
-    async def decode(self, request_id: str, context_tokens: int, new_tokens: int) -> DecodeResult:
+    async def decode(
+        self,
+        request_id: str,
+        context_tokens: int,
+        new_tokens: int,
+        on_tokens: Callable[[int], None] | None = None,
+    ) -> DecodeResult:
         """Generate ``new_tokens`` tokens for a sequence whose KV (``context_tokens``) is
-        already here (allocated by the caller). Returns when the last one is out."""
+        already here (allocated by the caller). Returns when the last one is out;
+        ``on_tokens(n)`` is called as each chunk of ``n`` tokens comes out (a stream's
+        pace: the engine runs several identical steps as one sleep)."""
         self._check()
         loop = asyncio.get_running_loop()
         now = self.time.now_ms()
         if new_tokens <= 0:
             return DecodeResult(now, now, 0, 0.0)
         seq = _Seq(request_id, context_tokens, new_tokens, loop.create_future())
+        seq.on_tokens = on_tokens
         self._admit.append(seq)
         self._wake.set()
         return await seq.done
@@ -365,6 +375,8 @@ class EmulatedEngine:
             s.produced += n
             s.remaining -= n
             s.step_sum_ms += step * n
+            if s.on_tokens is not None and not s.done.done():
+                s.on_tokens(n)
             if s.remaining <= 0:
                 self.decodes_done += 1
                 if not s.done.done():

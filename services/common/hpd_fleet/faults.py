@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from hpd_common.logging import get_logger
 
 from .fleet import Fleet
-from .gateway import Gateway
+from .gateway import Replay
 
 __all__ = ["Fault", "FaultInjector", "parse_fault"]
 
@@ -77,7 +77,7 @@ class FaultInjector:
     def __init__(
         self,
         fleet: Fleet,
-        gateway: Gateway,
+        gateway: Replay,
         stop_redis: Callable[[], Awaitable[None]] | None = None,
         start_redis: Callable[[], Awaitable[None]] | None = None,
     ) -> None:

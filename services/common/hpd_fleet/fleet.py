@@ -23,7 +23,7 @@ admission queue of its own to throttle or migrate).
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -92,7 +92,7 @@ def capability_of(view: WorkerView, worker_id: str, port: int) -> c.WorkerCapabi
         network=c.NetworkLocation(
             zone=loc.zone, rack=loc.rack, host=worker_id, nic_gbps=loc.nic_gbps
         ),
-        labels={"emulated": "true", "pool": view.pool_id},
+        labels={"emulated": "true", **view.labels, "pool": view.pool_id},
     )
 
 
@@ -183,6 +183,13 @@ class Fleet:
 
     def pools(self) -> list[str]:
         return sorted({w.view.pool_id for w in self})
+
+    def set_endpoints(self, endpoints: Mapping[str, str]) -> None:
+        """Register these workers at these ``host:port`` endpoints (where
+        :class:`~hpd_fleet.engine_http.FleetHttp` serves them) instead of their placeholder
+        names; before :meth:`start`."""
+        for wid, endpoint in endpoints.items():
+            self.workers[wid].client.capability.endpoint = endpoint
 
     async def start(self) -> None:
         """Start every engine and register every worker."""

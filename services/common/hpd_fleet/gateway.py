@@ -44,7 +44,7 @@ import collections
 import contextlib
 import math
 import random
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -65,7 +65,11 @@ __all__ = [
     "Gateway",
     "GatewayConfig",
     "GatewayStats",
+    "Replay",
     "RequestRecord",
+    "plan_row",
+    "replay_arrivals",
+    "with_plan",
 ]
 
 log = get_logger("fleet.gateway")
@@ -180,6 +184,73 @@ class GatewayStats:
     def done(self) -> int:
         return self.completed + self.rejected + self.failed
 
+    def ended(self, rec: RequestRecord) -> None:
+        """Count a request that has ended (it was counted in flight until now)."""
+        self.inflight -= 1
+        if rec.status == "completed":
+            self.completed += 1
+            self.modes[rec.mode_used] += 1
+        elif rec.status == "rejected":
+            self.rejected += 1
+            self.rejects[rec.reason] += 1
+        else:
+            self.failed += 1
+        if rec.fallback:
+            self.fallbacks[rec.fallback] += 1
+
+
+def with_plan(rec: RequestRecord, plan: s.RoutePlan, decision: int) -> RequestRecord:
+    """``rec`` with what the scheduler decided for it."""
+    return _replace(
+        rec,
+        decision=DECISION_NAMES.get(decision, ""),
+        planned_mode=MODE_NAMES.get(plan.mode, ""),
+        mode_reason=plan.mode_reason,
+        prefill_worker=plan.prefill_worker_id,
+        decode_worker=plan.decode_worker_id,
+        prefill_pool=plan.prefill_pool_id,
+        decode_pool=plan.decode_pool_id,
+        serving_action=plan.serving_action.action,
+        ladder_steps=tuple(plan.serving_action.ladder_steps),
+    )
+
+
+def plan_row(plan: s.RoutePlan) -> tuple[str, str, str, str, str]:
+    """(mode, prefill worker, decode worker, prefill pool, decode pool) of a plan."""
+    return (
+        MODE_NAMES.get(plan.mode, ""),
+        plan.prefill_worker_id,
+        plan.decode_worker_id,
+        plan.prefill_pool_id,
+        plan.decode_pool_id,
+    )
+
+
+async def replay_arrivals(
+    reqs: Sequence[TraceRequest],
+    time: EmuTime,
+    rng: random.Random,
+    tier_mix: Sequence[tuple[str, float]],
+    start: Callable[[int, TraceRequest, str, float], Coroutine[Any, Any, RequestRecord]],
+) -> list[RequestRecord]:
+    """Start ``start(index, request, tier, arrival_ms)`` for every request at its arrival
+    offset (wall seconds from now), its tier drawn from ``tier_mix`` with ``rng`` and its
+    arrival in emulated ms; wait for all of them. The records in trace order."""
+    tiers = [t for t, _ in tier_mix]
+    weights = [w for _, w in tier_mix]
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    emu_start = time.now_ms()
+    tasks: list[asyncio.Task[RequestRecord]] = []
+    for i, req in enumerate(reqs):
+        tier = rng.choices(tiers, weights)[0]
+        delay = t0 + req.arrival_s - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        arrival_ms = emu_start + req.arrival_s * 1000.0 * time.scale
+        tasks.append(asyncio.create_task(start(i, req, tier, arrival_ms)))
+    return list(await asyncio.gather(*tasks))
+
 
 class StepFailed(Exception):
     """One route step could not serve the request; ``cause`` is a stable code."""
@@ -206,20 +277,22 @@ class _Progress:
     transfer_ms: float = 0.0
 
 
-class Gateway:
-    """Replays traces through the scheduler onto a fleet (module docstring)."""
+class Replay:
+    """What both trace replays share: the requests started at their arrivals (tier drawn
+    from the mix), the counters of the live view, one record per request (a crash of the
+    replay's own code is recorded, never lost), the plans seen, the backoff. Subclasses
+    serve one request in ``_serve``: :class:`Gateway` executes plans in this process,
+    :class:`~hpd_fleet.replay.HttpReplay` sends requests through ``hpd gateway``."""
+
+    crash_prefix = "replay_error"
 
     def __init__(
         self,
-        scheduler: grpc.aio.Channel,
-        fleet: Fleet,
         time: EmuTime,
         rng: random.Random,
         config: GatewayConfig | None = None,
         run_id: str = "run",
     ) -> None:
-        self._stub = s_grpc.SchedulerServiceStub(scheduler)
-        self.fleet = fleet
         self.time = time
         self.rng = rng
         self.config = config or GatewayConfig()
@@ -230,8 +303,6 @@ class Gateway:
         """(mode, prefill worker, decode worker, prefill pool, decode pool) per plan, in order."""
         self.on_record: Callable[[RequestRecord], None] | None = None
 
-    # -- replay -----------------------------------------------------------------------------
-
     def request_id(self, index: int) -> str:
         return f"{self.run_id}-{index:06d}"
 
@@ -240,20 +311,7 @@ class Gateway:
         all of them to end. Returns the records in trace order."""
         reqs = trace.requests if isinstance(trace, Trace) else tuple(trace)
         self.stats.total += len(reqs)
-        tiers = [t for t, _ in self.config.tier_mix]
-        weights = [w for _, w in self.config.tier_mix]
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        emu_start = self.time.now_ms()
-        tasks: list[asyncio.Task[RequestRecord]] = []
-        for i, req in enumerate(reqs):
-            tier = self.rng.choices(tiers, weights)[0]
-            delay = start + req.arrival_s - loop.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            arrival_ms = emu_start + req.arrival_s * 1000.0 * self.time.scale
-            tasks.append(asyncio.create_task(self._handle(i, req, tier, arrival_ms)))
-        return list(await asyncio.gather(*tasks))
+        return await replay_arrivals(reqs, self.time, self.rng, self.config.tier_mix, self._handle)
 
     async def _handle(
         self, index: int, req: TraceRequest, tier: str, arrival_ms: float
@@ -268,31 +326,59 @@ class Gateway:
             rec = await self._serve(base)
         except Exception as exc:  # a bug must not lose the request: record it
             log.exception("request_crashed", request_id=rid)
-            rec = _replace(base, status="failed", reason=f"gateway_error:{type(exc).__name__}")
-            with contextlib.suppress(Exception):  # and its plan's reservation goes back
-                rec = await self._report(rec)
-        self.stats.inflight -= 1
-        if rec.status == "completed":
-            self.stats.completed += 1
-            self.stats.modes[rec.mode_used] += 1
-        elif rec.status == "rejected":
-            self.stats.rejected += 1
-            self.stats.rejects[rec.reason] += 1
-        else:
-            self.stats.failed += 1
-        if rec.fallback:
-            self.stats.fallbacks[rec.fallback] += 1
+            rec = _replace(
+                base, status="failed", reason=f"{self.crash_prefix}:{type(exc).__name__}"
+            )
+            rec = await self._crashed(rec)
+        self.stats.ended(rec)
         self.records[rid] = rec
         if self.on_record is not None:
             self.on_record(rec)
         return rec
 
-    # -- Schedule ---------------------------------------------------------------------------
+    async def _serve(self, base: RequestRecord) -> RequestRecord:
+        raise NotImplementedError
+
+    async def _crashed(self, rec: RequestRecord) -> RequestRecord:
+        """After ``_serve`` raised: what is left to settle (nothing by default)."""
+        return rec
+
+    def _planned(self, rec: RequestRecord, plan: s.RoutePlan, decision: int) -> RequestRecord:
+        """``rec`` with what the scheduler decided; a plan that was not a refusal is counted."""
+        if decision != s.ROUTE_DECISION_REJECT:
+            self.planned.append(plan_row(plan))
+        return with_plan(rec, plan, decision)
 
     async def _backoff(self, attempt: int) -> None:
         c = self.config
         base = min(c.max_backoff_s, c.min_backoff_s * (2 ** min(attempt, 20)))
         await asyncio.sleep(base * (0.5 + 0.5 * self.rng.random()))
+
+
+class Gateway(Replay):
+    """Replays traces through the scheduler onto a fleet (module docstring)."""
+
+    crash_prefix = "gateway_error"
+
+    def __init__(
+        self,
+        scheduler: grpc.aio.Channel,
+        fleet: Fleet,
+        time: EmuTime,
+        rng: random.Random,
+        config: GatewayConfig | None = None,
+        run_id: str = "run",
+    ) -> None:
+        super().__init__(time, rng, config, run_id)
+        self._stub = s_grpc.SchedulerServiceStub(scheduler)
+        self.fleet = fleet
+
+    async def _crashed(self, rec: RequestRecord) -> RequestRecord:
+        with contextlib.suppress(Exception):  # its plan's reservation goes back
+            rec = await self._report(rec)
+        return rec
+
+    # -- Schedule ---------------------------------------------------------------------------
 
     async def _call(
         self, fn: Callable[[], Awaitable[T]]
@@ -330,28 +416,7 @@ class Gateway:
                 base, status="rejected", reason=reject_reason(err), schedule_retries=retries
             )
         plan = resp.plan
-        rec = _replace(
-            base,
-            decision=DECISION_NAMES.get(plan.decision, ""),
-            planned_mode=MODE_NAMES.get(plan.mode, ""),
-            mode_reason=plan.mode_reason,
-            prefill_worker=plan.prefill_worker_id,
-            decode_worker=plan.decode_worker_id,
-            prefill_pool=plan.prefill_pool_id,
-            decode_pool=plan.decode_pool_id,
-            serving_action=plan.serving_action.action,
-            ladder_steps=tuple(plan.serving_action.ladder_steps),
-            schedule_retries=retries,
-        )
-        self.planned.append(
-            (
-                rec.planned_mode,
-                plan.prefill_worker_id,
-                plan.decode_worker_id,
-                plan.prefill_pool_id,
-                plan.decode_pool_id,
-            )
-        )
+        rec = self._planned(_replace(base, schedule_retries=retries), plan, plan.decision)
         rec = await self._execute(rec, plan)
         return await self._report(rec)
 

@@ -13,7 +13,7 @@ import contextlib
 from typing import TextIO
 
 from .fleet import Fleet
-from .gateway import Gateway
+from .gateway import Replay
 
 __all__ = ["LiveView", "render"]
 
@@ -28,7 +28,7 @@ def _top(counter: collections.Counter[str], n: int = 4) -> str:
     return ", ".join(f"{k} {v}" for k, v in counter.most_common(n)) or "-"
 
 
-def render(gateway: Gateway, fleet: Fleet, elapsed_s: float) -> list[str]:
+def render(gateway: Replay, fleet: Fleet, elapsed_s: float) -> list[str]:
     """The lines of the live block."""
     st = gateway.stats
     lines = [
@@ -67,9 +67,7 @@ def render(gateway: Gateway, fleet: Fleet, elapsed_s: float) -> list[str]:
 class LiveView:
     """Redraws :func:`render` until stopped."""
 
-    def __init__(
-        self, gateway: Gateway, fleet: Fleet, out: TextIO, interval_s: float = 0.5
-    ) -> None:
+    def __init__(self, gateway: Replay, fleet: Fleet, out: TextIO, interval_s: float = 0.5) -> None:
         self.gateway = gateway
         self.fleet = fleet
         self.out = out

@@ -212,6 +212,7 @@ class EngineSpec:
     extra_args: tuple[str, ...] = ()
     dtype: str = "bfloat16"
     kv_events_port: int = 0  # publish KV cache events on this ZMQ port (0 = off)
+    kv_replay_port: int = 0  # and answer replay requests on this one (0 = no replay)
 
 
 @dataclass
@@ -251,6 +252,8 @@ class EngineProcess:
                 # "*" makes vLLM bind (a host name makes it connect to a subscriber)
                 "endpoint": f"tcp://*:{s.kv_events_port}", "topic": "kv",
             }  # fmt: skip
+            if s.kv_replay_port:
+                events["replay_endpoint"] = f"tcp://*:{s.kv_replay_port}"
             cmd += ["--kv-events-config", json.dumps(events)]
         return cmd + list(s.extra_args)
 
@@ -258,6 +261,11 @@ class EngineProcess:
     def kv_events(self) -> str:
         """The engine's KV event publisher, for its agent ('' = none)."""
         return f"tcp://127.0.0.1:{self.spec.kv_events_port}" if self.spec.kv_events_port else ""
+
+    @property
+    def kv_replay(self) -> str:
+        """The engine's KV event replay socket, for its agent ('' = none)."""
+        return f"tcp://127.0.0.1:{self.spec.kv_replay_port}" if self.spec.kv_replay_port else ""
 
     def start(self) -> None:
         s = self.spec
@@ -321,6 +329,8 @@ class EngineProcess:
                     self.spec.side_channel_port = pick_port()
                 if self.spec.kv_events_port:
                     self.spec.kv_events_port = pick_port()
+                if self.spec.kv_replay_port:
+                    self.spec.kv_replay_port = pick_port()
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Signal the whole process group (the API server and its engine core)."""

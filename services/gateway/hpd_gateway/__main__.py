@@ -16,15 +16,17 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from aiohttp import web
-from prometheus_client import REGISTRY
+from prometheus_client import REGISTRY, CollectorRegistry
 
 from hpd_common.channels import CallSettings
 from hpd_common.errors import InvalidArgument
 from hpd_common.logging import configure_logging, get_logger
+from hpd_common.metrics import watch_gc
+from hpd_common.server import freeze_startup_heap
 from hpd_common.settings import load_settings, settings_parser, split_csv
 
 from .api import build_app
@@ -109,48 +111,90 @@ def _tiers(text: str) -> tuple[tuple[str, str], ...]:
     return _pairs(text, "api_key_tiers")
 
 
+class GatewayServer:
+    """``hpd gateway``'s whole assembly (control-plane clients, engine pool, the use case, the
+    aiohttp app) started and stopped as one; ``hpd demo`` runs this same server in front of
+    its emulated engines. ``clock`` times TTFT and TPOT (seconds; the demo passes its
+    emulated clock); ``metrics_registry`` is where the gateway's metrics go (the process's
+    default registry for ``hpd gateway``)."""
+
+    def __init__(
+        self,
+        s: GatewaySettings,
+        clock: Callable[[], float] | None = None,
+        metrics_registry: CollectorRegistry = REGISTRY,
+    ) -> None:
+        self.settings = s
+        self.control = ControlPlane(
+            s.scheduler,
+            s.broker,
+            s.registry,
+            s.gateway_token,
+            timeout_s=s.rpc_timeout_ms / 1000,
+            identity=s.call_identity(),
+            stream=s.schedule_stream,
+            scheduler_channels=s.scheduler_channels,
+        )
+        self.engines = EngineHttp(s.connect_timeout_s, s.read_timeout_s)
+        extra = {"clock": clock} if clock is not None else {}
+        self.gateway = Gateway(
+            self.control,
+            self.engines,
+            GatewayMetrics(metrics_registry),
+            GatewayConfig(
+                s.default_tier, s.default_output_tokens, _tiers(s.api_key_tiers), s.prefix_routing
+            ),
+            tokenizers=LocalTokenizers(dict(_pairs(s.tokenizer, "tokenizer"))),
+            **extra,
+        )
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def start(self, fleet_wait_s: float = 5.0) -> str:
+        """Connect, listen, wait (at most ``fleet_wait_s``) for the first fleet view; returns
+        the base URL (the port is the OS's choice when the settings say 0)."""
+        s = self.settings
+        await self.control.start()
+        await self.engines.start()
+        app = build_app(self.gateway, s.max_body_bytes, s.max_concurrent)
+        self._runner = web.AppRunner(
+            app, handler_cancellation=True, access_log=None, shutdown_timeout=3.0
+        )
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, s.host, s.port)
+        await site.start()
+        host, port = self._runner.addresses[0][:2]
+        self.url = f"http://{host}:{port}"
+        await self.control.fleet.wait_synced(fleet_wait_s)
+        return self.url
+
+    async def stop(self, flush_s: float = 5.0) -> None:
+        """Stop listening (requests in flight get the runner's shutdown grace), then give
+        the outcome and session reports still on their way up to ``flush_s`` to land."""
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
+        await self.gateway.flush(flush_s)
+        await self.engines.close()
+        await self.control.close()
+
+
 async def serve(s: GatewaySettings, ready: asyncio.Event | None = None) -> None:
-    control = ControlPlane(
-        s.scheduler,
-        s.broker,
-        s.registry,
-        s.gateway_token,
-        timeout_s=s.rpc_timeout_ms / 1000,
-        identity=s.call_identity(),
-        stream=s.schedule_stream,
-        scheduler_channels=s.scheduler_channels,
-    )
-    engines = EngineHttp(s.connect_timeout_s, s.read_timeout_s)
-    await control.start()
-    await engines.start()
-    gateway = Gateway(
-        control,
-        engines,
-        GatewayMetrics(REGISTRY),
-        GatewayConfig(
-            s.default_tier, s.default_output_tokens, _tiers(s.api_key_tiers), s.prefix_routing
-        ),
-        tokenizers=LocalTokenizers(dict(_pairs(s.tokenizer, "tokenizer"))),
-    )
-    app = build_app(gateway, s.max_body_bytes, s.max_concurrent)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=3.0)
-    await runner.setup()
-    site = web.TCPSite(runner, s.host, s.port)
-    await site.start()
-    await control.fleet.wait_synced(5.0)
-    print(f"hpd: gateway listening on http://{s.host}:{s.port}", file=sys.stderr, flush=True)
+    server = GatewayServer(s)
+    url = await server.start()
+    print(f"hpd: gateway listening on {url}", file=sys.stderr, flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     if ready is not None:
         ready.set()
+    watch_gc()
+    freeze_startup_heap()
     try:
         await stop.wait()
     finally:
-        await runner.cleanup()
-        await engines.close()
-        await control.close()
+        await server.stop()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

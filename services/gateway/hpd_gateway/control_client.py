@@ -5,10 +5,15 @@ Scheduler answers become :class:`~hpd_gateway.protocol.GatewayError` with the HT
 client understands: RESOURCE_EXHAUSTED 429 with ``Retry-After``, no worker for the model
 404 naming it, UNAVAILABLE (and other refusals to place) 503, INVALID_ARGUMENT 400,
 DEADLINE_EXCEEDED 504. Session updates are best effort: a broker that is away must not fail
-a request whose tokens are flowing; they are logged.
+a request whose tokens are flowing; they are logged. ``ReportOutcome`` (idempotent at the
+scheduler) is sent again while the control plane answers UNAVAILABLE or misses its deadline,
+for up to ``report_budget_s``, so a record still learns what happened after an outage.
 """
 
 from __future__ import annotations
+
+import asyncio
+import random
 
 import grpc
 
@@ -35,6 +40,7 @@ _MODES = {
     s.EXECUTION_MODE_SAME_POOL: SAME_POOL,
 }
 _MODE_PB = {v: k for k, v in _MODES.items()}
+_RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
 
 def plan_of(p: s.RoutePlan) -> Plan:
@@ -80,6 +86,7 @@ class ControlPlane:
         identity: CallIdentity | None = None,
         stream: bool = True,
         scheduler_channels: int = 1,
+        report_budget_s: float = 30.0,
     ) -> None:
         # several channels, each its own connection (a local subchannel pool), reach every
         # process of a scheduler run with --processes N: the kernel spreads connections
@@ -95,6 +102,7 @@ class ControlPlane:
         # configured gateway token (development) accepts any, so a placeholder serves there
         self._caller = kb.SessionCaller(gateway_token=gateway_token or "gateway")
         self.timeout_s = timeout_s
+        self.report_budget_s = report_budget_s
         self.streams = [ScheduleStreamClient(stub) for stub in self._stubs] if stream else []
         self._turn = 0
 
@@ -196,10 +204,22 @@ class ControlPlane:
             prefill_ms=out.prefill_ms,
             output_tokens=out.output_tokens,
         )
-        try:
-            await self._unary().ReportOutcome(req, timeout=self.timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            log.warning("outcome_not_reported", request_id=request_id, code=exc.code().name)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.report_budget_s
+        delay = 0.1
+        while True:
+            try:
+                await self._unary().ReportOutcome(req, timeout=self.timeout_s)
+                return
+            except grpc.aio.AioRpcError as exc:
+                # idempotent at the scheduler (an outcome is attached once), so a report the
+                # control plane could not take (Redis failing over, a scheduler restarting)
+                # is sent again: without it the record never says what happened
+                if exc.code() not in _RETRYABLE or loop.time() + delay > deadline:
+                    log.warning("outcome_not_reported", request_id=request_id, code=exc.code().name)
+                    return
+            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+            delay = min(2.0, delay * 2)
 
     # -- KV session -------------------------------------------------------------------------
 

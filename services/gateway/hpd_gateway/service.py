@@ -58,13 +58,16 @@ from .protocol import (
 )
 from .tokens import LocalTokenizers
 
-__all__ = ["Gateway", "GatewayConfig", "Sink"]
+__all__ = ["REPLAN_SUFFIX", "Gateway", "GatewayConfig", "Sink"]
 
 log = get_logger("gateway")
 
 TOKENIZE_TIMEOUT_S = 2.0
 """Counting tokens is milliseconds of work: an engine that takes longer is stuck or
 overloaded, and the next one is asked."""
+REPLAN_SUFFIX = ":replan"
+"""The request id of the one re-plan after a plan's fallback chain ran out is the request's
+id with this suffix (its route record carries the request's final outcome)."""
 
 
 class Sink(Protocol):
@@ -134,6 +137,17 @@ class Gateway:
             if key == api_key:
                 return tier
         return self.config.default_tier
+
+    async def flush(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for the reports still on their way; cancel the rest."""
+        tasks = set(self._tasks)
+        if not tasks:
+            return
+        _, late = await asyncio.wait(tasks, timeout=timeout_s)
+        for task in late:
+            task.cancel()
+        if late:
+            log.warning("reports_abandoned", count=len(late))
 
     def _background(self, aw: Awaitable[None]) -> None:
         async def run() -> None:
@@ -221,7 +235,7 @@ class Gateway:
                 # more, under a request id of its own; the scheduler's view has moved on.
                 first = Outcome(error_class=out.error_class, fallbacks=out.fallbacks, status=502)
                 self._background(self.control.report(request_id, first))
-                request_id = f"{request_id}:replan"
+                request_id = f"{request_id}{REPLAN_SUFFIX}"
                 t_s = self._clock()
                 plan = await self.control.schedule(
                     request_id, req.model, prompt_tokens, output_tokens, tier, prefix, block

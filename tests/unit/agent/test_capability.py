@@ -26,6 +26,8 @@ from tests.unit.agent.recorded import TINY, TINY_KV_BYTES, read_bytes, sglang_an
 CONFIG = read_bytes("vllm", "model_config.json")
 REVISION = "cfg-" + hashlib.sha256(CONFIG).hexdigest()[:12]
 VLLM_FACTS = VllmAdapter().facts(vllm_answers(), TINY)
+# the recorded model's size from its config.json (hpd_agent.engines.model_size_from_config)
+MODEL_SIZE = (("model-attention-width", "128"), ("model-params", "557056"))
 SGLANG_FACTS = SglangAdapter().facts(sglang_answers(), TINY)
 
 
@@ -121,6 +123,7 @@ def test_full_spec_from_the_recorded_vllm_facts() -> None:
             ("kv-connector", "NixlConnector"),
             ("kv-role", "producer"),
             ("kv-side-channel", "10.0.0.5:5600"),
+            *MODEL_SIZE,
             ("tier", "gold"),
         ),
     )
@@ -196,6 +199,7 @@ def test_sglang_spec_carries_its_bootstrap_port_and_batch_limit() -> None:
         ("bootstrap-port", "8998"),
         ("kv-connector", "mooncake"),
         ("kv-role", "producer"),
+        *MODEL_SIZE,
     )
     assert (spec.kv_format.block_size_tokens, spec.kv_format.dtype) == (16, KvDtype.BF16)
     assert spec.kv_memory_total_bytes == 8_388_608
@@ -205,7 +209,10 @@ def test_sglang_spec_carries_its_bootstrap_port_and_batch_limit() -> None:
 
 def test_no_connector_flags_means_no_connector_labels() -> None:
     spec = build_spec(flags(kv_connector="", kv_side_channel=""), VLLM_FACTS, TINY, CONFIG)
-    assert spec.labels == ()
+    assert spec.labels == MODEL_SIZE  # only the model's size
+    # without its config.json (a revision given by flag) the agent knows no size either
+    bare = flags(kv_connector="", kv_side_channel="", model_revision="r1")
+    assert build_spec(bare, VLLM_FACTS, TINY, None).labels == ()
 
 
 @pytest.mark.parametrize(
@@ -216,6 +223,7 @@ def test_no_connector_flags_means_no_connector_labels() -> None:
         ("both", "", "both"),
         ("both", "producer", "producer"),  # a both-stages worker on a kv_producer engine
         ("prefill", "both", "both"),
+        ("both", "none", "none"),  # an engine without a KV connector
     ],
 )
 def test_kv_role_label_follows_the_flag_else_the_role(role: str, kv_role: str, label: str) -> None:

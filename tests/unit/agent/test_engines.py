@@ -18,6 +18,7 @@ from hpd_agent.engines import (
     adapter_for,
     geometry_from_config,
     kv_dtype_from_bytes,
+    model_size_from_config,
     parse_metrics,
 )
 from hpd_common.kvformat import KvDtype, KvLayout
@@ -952,3 +953,63 @@ def test_sglang_page_size_zero_raises() -> None:
     info["page_size"] = 0
     with pytest.raises(EngineError, match="page_size"):
         SglangAdapter().facts(sglang_answers(json.dumps(info)), TINY)
+
+
+LLAMA_3_8B = {
+    "num_hidden_layers": 32, "hidden_size": 4096, "intermediate_size": 14336,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+    "tie_word_embeddings": False,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("config", "params", "width"),
+    [
+        pytest.param(LLAMA_3_8B, 8.03e9, 4096, id="llama-3-8b-is-8b"),
+        pytest.param(
+            {
+                **LLAMA_3_8B,
+                "num_hidden_layers": 2,
+                "hidden_size": 128,
+                "intermediate_size": 256,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 48,
+                "vocab_size": 1024,
+            },
+            2 * (2 * 192 * 128 + 2 * 2 * 48 * 128 + 3 * 128 * 256) + 2 * 1024 * 128,
+            192,
+            id="the-real-engine-stages-tiny-model",
+        ),
+        pytest.param(
+            {**LLAMA_3_8B, "tie_word_embeddings": True},
+            8.03e9 - 128256 * 4096,
+            4096,
+            id="tied-embeddings-counted-once",
+        ),
+        pytest.param(
+            {**LLAMA_3_8B, "num_local_experts": 8, "num_experts_per_tok": 2},
+            8.03e9 + 32 * 3 * 4096 * 14336,
+            4096,
+            id="moe-counts-the-experts-a-token-goes-through",
+        ),
+        pytest.param({"text_config": LLAMA_3_8B}, 8.03e9, 4096, id="multimodal-text-config"),
+    ],
+)
+def test_model_size_from_config(config: dict[str, Any], params: float, width: int) -> None:
+    got = model_size_from_config(json.dumps(config))
+    assert got is not None
+    assert got[0] == pytest.approx(params, rel=0.005) and got[1] == width
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "not json",
+        "[1, 2]",
+        json.dumps({"hidden_size": 4096}),
+        json.dumps({**LLAMA_3_8B, "hidden_size": -1}),
+    ],
+)
+def test_model_size_of_an_incomplete_config_is_none(text: str) -> None:
+    assert model_size_from_config(text) is None

@@ -38,6 +38,7 @@ from hpd_scheduler.policy import (
     parse_profile,
     release_reservations,
 )
+from hpd_scheduler.policy.capacity import resolve_model
 from hpd_scheduler.policy.decision import decode_explanation
 from hpd_scheduler.policy.domain import ResourceNeed
 from hpd_scheduler.policy.framework import Candidate, RequestContext
@@ -243,6 +244,8 @@ def test_kv_incompatible_but_executable_means_recompute_not_drop() -> None:
         (None, None, Mode.TRANSFER),  # no labels: no constraint
         ("producer", "producer", Mode.SAME_POOL),  # a producer engine cannot take KV in
         ("consumer", "both", Mode.SAME_POOL),  # nor can a consumer send it
+        ("producer", "none", Mode.SAME_POOL),  # an engine without a connector takes none
+        ("none", "both", Mode.SAME_POOL),  # and sends none
     ],
 )
 def test_transfers_go_only_the_way_the_connectors_move_kv(
@@ -701,3 +704,24 @@ def test_fallback_to_shared_finds_a_shared_worker_outside_the_top_k() -> None:
     assert decision.kind is DecisionKind.REROUTE
     assert decision.plan is not None and decision.plan.decode_worker_id == "b"
     assert decision.plan.mode is Mode.SAME_POOL
+
+
+def test_a_model_outside_the_table_is_priced_by_the_size_its_agent_read() -> None:
+    """A model the performance model does not know: with the agent's ``model-params`` and
+    ``model-attention-width`` labels (from its config.json) its compute is priced by its
+    own size; without them by the 8 B last resort (a small model priced that way looked
+    orders of magnitude slower than its engine, and admission refused its requests)."""
+
+    def unknown(wid: str, **labels: str) -> WorkerView:
+        return replace(worker(wid, labels=labels), model_id="tiny-x")
+
+    sized = unknown("t", **{"model-params": "557056", "model-attention-width": "128"})
+    spec = resolve_model(sized)
+    assert spec.params_b == pytest.approx(557056 / 1e9) and spec.hidden_size == 128
+    assert resolve_model(unknown("u")).params_b == 8.0
+    for bad in ("", "-5", "lots", "0"):
+        assert resolve_model(unknown("v", **{"model-params": bad})).params_b == 8.0
+    fleet = Fleet.build([sized, unknown("u")], NOW)
+    fast, slow = fleet.worker("t"), fleet.worker("u")
+    assert fast is not None and slow is not None
+    assert slow.prefill_ms(512) > 1000 * fast.prefill_ms(512)

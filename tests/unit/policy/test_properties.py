@@ -9,12 +9,14 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hpd_common.kvformat import KvDtype, KvLayout
+from hpd_common.kvformat import GIB as GIB_BYTES
+from hpd_common.kvformat import KvDtype, KvLayout, negotiate
 from hpd_scheduler.policy import (
     SCHEDULABLE_HEALTH,
     DecisionKind,
     Fleet,
     Health,
+    LinkModel,
     Mode,
     Planner,
     RejectClass,
@@ -23,6 +25,7 @@ from hpd_scheduler.policy import (
     Stage,
     builtin_profile,
 )
+from hpd_scheduler.policy.fleet import kv_can_flow
 from hpd_scheduler.policy.framework import Candidate, Option, RequestContext
 from hpd_scheduler.policy.plugins import REGISTRY
 
@@ -251,3 +254,46 @@ def test_every_scorer_stays_in_unit_interval(views: list, req) -> None:  # type:
                 else:
                     v = scorer.score(c, ctx)  # type: ignore[attr-defined]
                     assert 0.0 <= v <= 1.0, (name, v)
+
+
+_place = st.tuples(
+    st.sampled_from(["z1", "z2"]),
+    st.sampled_from(["r1", "r2", ""]),
+    st.sampled_from(["h1", "h2", ""]),
+    st.sampled_from([25.0, 100.0, 400.0]),
+    st.sampled_from([None, "producer", "consumer", "both", "none"]),
+    st.sampled_from([KvDtype.BF16, KvDtype.FP8_E4M3]),
+    st.sampled_from(["pa", "pb"]),
+)
+
+
+@given(places=st.lists(_place, min_size=2, max_size=8))
+@settings(max_examples=60, deadline=None)
+def test_handoff_terms_shared_by_link_class_equal_each_pairs_own(places: list) -> None:  # type: ignore[type-arg]
+    """Hand-off terms are cached per pair of link classes (and carried to the next snapshot):
+    for every pair they equal what the pair's own negotiation and link give, whatever the
+    zones, racks, hosts, NICs, connector directions, KV formats and pool overrides."""
+    links = LinkModel.from_dict({"pools": [{"src": "pa", "dst": "pb", "gbps": 7, "latency_ms": 3}]})
+    views = [
+        worker(
+            f"w{i}", Stage.BOTH, pool=pool, zone=zone, rack=rack, host=host or "", nic_gbps=nic,
+            dtype=dtype, labels={"kv-role": role} if role else {},
+        )
+        for i, (zone, rack, host, nic, role, dtype, pool) in enumerate(places)
+    ]  # fmt: skip
+    first = Fleet.build(views, NOW, links=links)
+    second = Fleet.build(views, NOW + 1, links=links, previous=first)
+    for fleet in (first, second, first):
+        for a in fleet.states:
+            for b in fleet.states:
+                neg = negotiate(a.view.kv_format, b.view.kv_format, fleet.kv_policy)
+                want = None
+                if neg.transferable and kv_can_flow(a.view, b.view):
+                    link = links.between(a.view, b.view)[1]
+                    want = (
+                        8.0 / (link.gbps * 1e6),
+                        link.latency_ms,
+                        neg.cost_ms_per_gib / GIB_BYTES,
+                        tuple(str(r) for r in neg.reasons),
+                    )
+                assert fleet.handoff_terms(a, b) == want, (a.view.location, b.view.location)

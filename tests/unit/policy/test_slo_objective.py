@@ -273,3 +273,25 @@ def test_a_local_prefill_counts_the_stall_it_puts_on_the_running_batch() -> None
     assert local.d.step_ms <= limit < local.d.step_ms + local.p.run_ms / 8
     assert local.ttft_ms < xfer.ttft_ms
     assert local.score <= 2 / 3 < xfer.score
+
+
+@pytest.mark.parametrize(
+    "queue", [pytest.param(30, id="a-little-past"), pytest.param(60, id="past-the-queue-budget")]
+)
+def test_an_admission_refusal_suggests_the_wait_until_the_request_fits(queue: int) -> None:
+    """Every option is predicted past the interactive target: refused, and the suggested
+    retry delay is how far the best option is past the limit (the queue ahead must drain
+    that much), not the tier's whole queue budget unless it is that far."""
+    views = [
+        worker("p", Stage.PREFILL, gpu="H100-SXM", queue=queue, rack="r1"),
+        worker("d", Stage.DECODE, gpu="A100-80G", batch=256, queue=queue, rack="r1"),
+    ]
+    d = _plan(views, request(3000, 200, "interactive"))
+    assert d.plan is None and d.reject_reasons == ("ttft_over_admission_limit",), d
+    best = min(o.ttft_ms for o in d.record.options)
+    tier = DEFAULT.tier("interactive")
+    assert DEFAULT.slo_objective is not None
+    limit = tier.ttft_ms * DEFAULT.slo_objective.admit_ttft_factor
+    assert d.retry_after_ms is not None
+    assert d.retry_after_ms == pytest.approx(min(tier.queue_budget_ms, max(100.0, best - limit)))
+    assert d.retry_after_ms < tier.queue_budget_ms or best - limit >= tier.queue_budget_ms

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import pytest
 
-from hpd_scheduler.policy import Stage
+from hpd_scheduler.policy import Fleet, Mode, Planner, Request, Stage, builtin_profile
 from hpd_scheduler.sim import ClusterError, load_cluster, parse_cluster
 
 
@@ -74,6 +75,11 @@ def test_the_default_cluster() -> None:
             "links.pools.dst",
             id="link-to-unknown-pool",
         ),
+        pytest.param(
+            _doc(pools=[{"id": "p", "gpu": "L4", "stage": "both", "kv_connector": "no"}]),
+            "pools[0].kv_connector",
+            id="kv-connector-not-a-flag",
+        ),
         pytest.param(_doc(extra=1), "extra", id="unknown-top-key"),
     ],
 )
@@ -81,3 +87,28 @@ def test_bad_documents_name_the_key(doc: dict[str, Any], key: str) -> None:
     with pytest.raises(ClusterError) as err:
         parse_cluster(doc)
     assert err.value.key == key
+
+
+def test_a_pool_without_a_kv_connector_never_takes_or_sends_a_transfer() -> None:
+    """Its workers carry the label an agent sets for a connector-less engine; the planner
+    then serves a request there whole (same pool), never by a transfer in or out."""
+    c = parse_cluster(
+        _doc(
+            pools=[
+                {"id": "p", "gpu": "H100", "count": 1, "stage": "prefill"},
+                {"id": "plain", "gpu": "L40S", "count": 1, "stage": "both", "kv_connector": False},
+            ]
+        )
+    )
+    assert [p.kv_connector for p in c.pools] == [True, False]
+    views = c.worker_views()
+    assert views[1].labels == {"pool": "plain", "kv-role": "none"}
+    assert views[0].labels == {"pool": "p"}
+    fleet = Fleet.build(views, 0.0)
+    req = Request(
+        request_id="r", model_id=c.model.name, prompt_tokens=2000, expected_output_tokens=50
+    )
+    decision = Planner(builtin_profile("default")).plan(req, fleet, 0.0, random.Random(1))
+    assert decision.plan is not None
+    assert decision.plan.decode_worker_id == "plain-0" and decision.plan.mode is Mode.SAME_POOL
+    assert all(step.mode is not Mode.TRANSFER for step in decision.fallbacks)

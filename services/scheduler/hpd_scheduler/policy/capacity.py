@@ -93,21 +93,34 @@ def resolve_gpu(view: WorkerView) -> GpuProfile | None:
 
 
 def resolve_model(view: WorkerView) -> perfmodel.ModelSpec:
-    """The model's spec; for a model not in the table, a last-resort spec from the KV format
-    (its layers, KV heads and head dim) with 8 B parameters and hidden size 4,096 per 32
-    layers, so capacity still orders GPUs correctly relative to each other."""
+    """The model's spec; for a model not in the table, one from the KV format (its layers,
+    KV heads and head dim) and the size the agent read from the model's ``config.json``
+    (labels ``model-params``, parameters a token goes through, and
+    ``model-attention-width``); without those labels, a last resort of 8 B parameters and
+    hidden size 4,096 per 32 layers, so capacity still orders GPUs correctly relative to
+    each other (but prices a small model's compute far too high: a 3 M parameter model's
+    prefill was predicted 65-100x slower than its engine ran, and admission refused it)."""
     try:
         return perfmodel.model_spec(view.model_id)
     except KeyError:
         f = view.kv_format
+        layers = max(f.num_layers, 1)
+        params = _label_int(view, "model-params")
+        width = _label_int(view, "model-attention-width")
         return perfmodel.ModelSpec(
             view.model_id or "unknown",
-            8.0,
-            num_layers=max(f.num_layers, 1),
+            params / 1e9 if params else 8.0,
+            num_layers=layers,
             num_kv_heads=max(f.num_kv_heads, 1),
             head_dim=max(f.head_dim, 1),
-            hidden_size=max(128, 4096 * max(f.num_layers, 1) // 32),
+            hidden_size=width or max(128, 4096 * layers // 32),
         )
+
+
+def _label_int(view: WorkerView, name: str) -> int:
+    """A positive integer label, 0 when absent or not one."""
+    raw = view.labels.get(name, "")
+    return int(raw) if raw.isdigit() and int(raw) > 0 else 0
 
 
 @dataclass(frozen=True, slots=True)

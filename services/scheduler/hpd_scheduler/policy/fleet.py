@@ -58,12 +58,12 @@ class WorkerState:
         "cap",
         "conf",
         "ctx_tokens",
-        "fmt",
         "held",
         "held_block_tokens",
         "idx",
         "kv_avail",
         "kv_total",
+        "link_class",
         "live_kv",
         "live_reqs",
         "live_tokens",
@@ -119,7 +119,8 @@ class WorkerState:
         self.live_reqs = 0
         self.live_kv = 0
         self.live_tokens = 0
-        self.fmt = 0
+        # the worker's class for hand-off figures (Fleet.handoff_terms), set by Fleet.build
+        self.link_class = 0
         # the prefix keys this worker's engine holds (policy.prefix), None when unknown
         self.held: Container[int] | None = None
         self.held_block_tokens = 0
@@ -267,8 +268,13 @@ def plausible(cap: Capacity) -> bool:
 def kv_can_flow(src: WorkerView, dst: WorkerView) -> bool:
     """False when the engines' KV connectors cannot move KV this way: the ``kv-role`` label
     (set by ``hpd agent``) of the source is ``consumer`` or the destination's ``producer``
-    (vLLM's ``kv_consumer`` / ``kv_producer``). No label: no constraint."""
-    return src.labels.get("kv-role") != "consumer" and dst.labels.get("kv-role") != "producer"
+    (vLLM's ``kv_consumer`` / ``kv_producer``), or either side's is ``none`` (no connector).
+    No label: no constraint."""
+    return src.labels.get("kv-role") not in _NO_SEND and dst.labels.get("kv-role") not in _NO_TAKE
+
+
+_NO_SEND = frozenset({"consumer", "none"})
+_NO_TAKE = frozenset({"producer", "none"})
 
 
 @lru_cache(maxsize=1024)
@@ -311,14 +317,22 @@ class PromptMix:
 
 _GRID_LOG = math.log(1.25)
 
+HandoffTerms = tuple[float, float, float, tuple[str, ...]]
+"""(ms per byte over the link, link latency ms, conversion ms per byte, reasons)."""
+
+_MAX_CLASSES = 65_536
+_MAX_PAIRS = 1 << 20
+"""Link classes and cached class pairs a snapshot carries over from the one before; past
+either (workers with ever new labels, a fleet of very many classes) the next snapshot starts
+its caches afresh, so they stay bounded (a pair entry is a few hundred bytes)."""
+
 
 class Fleet:
     """An immutable-by-convention snapshot of the fleet, with indexes (module docstring)."""
 
     __slots__ = (
-        "_fmt_ids",
+        "_classes",
         "_handoff_cache",
-        "_link_cache",
         "_model_kv",
         "built_at_s",
         "by_id",
@@ -341,10 +355,9 @@ class Fleet:
         self.ref_tokens = 1024
         self.built_at_s = 0.0
         self.prefix_heads: Mapping[int, Collection[str]] | None = None
-        self._link_cache: dict[tuple[int, int], Link] = {}
         self._model_kv: dict[str, int] = {}
-        self._fmt_ids: dict[KvFormat, int] = {}
-        self._handoff_cache: dict[tuple[int, int], tuple[float, float, float, tuple[str, ...]]] = {}
+        self._classes: dict[tuple[object, ...], int] = {}
+        self._handoff_cache: dict[tuple[int, int, bool], HandoffTerms | None] = {}
 
     @classmethod
     def build(
@@ -381,6 +394,15 @@ class Fleet:
         reuse = previous.by_id if previous is not None else {}
         if previous is not None and previous.ref_tokens != ref_prompt_tokens:
             reuse = {}
+        if (
+            previous is not None
+            and previous.links is fleet.links
+            and previous.kv_policy == kv_policy
+            and len(previous._classes) <= _MAX_CLASSES
+            and len(previous._handoff_cache) <= _MAX_PAIRS
+        ):  # the same figures: the pair classes' hand-off terms still hold
+            fleet._classes = previous._classes
+            fleet._handoff_cache = previous._handoff_cache
         roles = (Role.PREFILL, Role.DECODE)
         for view in workers:
             if view.worker_id in fleet.by_id:
@@ -411,6 +433,7 @@ class Fleet:
                 ws = WorkerState(
                     view, cap, len(fleet.states), now_s, fleet.staleness, ref_prompt_tokens
                 )
+                ws.link_class = fleet._link_class(view)
                 if prefix is not None:
                     entry = prefix.get(view.worker_id)
                     if entry is not None:
@@ -459,32 +482,32 @@ class Fleet:
         return min(1.0, max(0.0, 1.0 - (index.kv_avail - live) / index.kv_total))
 
     def link(self, src: WorkerState, dst: WorkerState) -> Link:
-        """Effective link from ``src`` to ``dst`` (cached per pair for this snapshot)."""
-        key = (src.idx, dst.idx)
-        link = self._link_cache.get(key)
-        if link is None:
-            link = self.links.between(src.view, dst.view)[1]
-            self._link_cache[key] = link
-        return link
+        """Effective link from ``src`` to ``dst``."""
+        return self.links.between(src.view, dst.view)[1]
 
     def negotiation(self, src: WorkerState, dst: WorkerState) -> Negotiation:
         """KV negotiation of the pair's formats (shared rules, cached per format pair)."""
         return _negotiate(src.view.kv_format, dst.view.kv_format, self.kv_policy)
 
-    def handoff_terms(
-        self, src: WorkerState, dst: WorkerState
-    ) -> tuple[float, float, float, tuple[str, ...]] | None:
-        """Per-byte hand-off figures for the pair, cached per snapshot:
+    def handoff_terms(self, src: WorkerState, dst: WorkerState) -> HandoffTerms | None:
+        """Per-byte hand-off figures for the pair:
         ``(ms per byte over the link, link latency ms, conversion ms per byte, reasons)``,
         or None when the KV formats cannot be exchanged, or the engines' connectors do not
         move KV this way (:func:`kv_can_flow`): the decode side must recompute.
-        ``transfer_ms(bytes) = bytes x (link + conversion ms per byte) + latency``."""
-        key = (src.idx, dst.idx)
+        ``transfer_ms(bytes) = bytes x (link + conversion ms per byte) + latency``.
+
+        Cached per pair of link classes (:meth:`_link_class`: everything the figures depend
+        on but the host) and whether the two share a host, and carried to the next snapshot
+        while the link model and KV policy are the same: a worker first paired in a decision
+        (a prefix holder outside the usual top k) costs a lookup, not a negotiation and a link
+        resolution (about 3 us a pair, measured by bench/kv_index.py's decision p99)."""
+        a, b = src.view.location, dst.view.location
+        key = (src.link_class, dst.link_class, bool(a.host) and a.host == b.host)
         hit = self._handoff_cache.get(key, _MISS)
         if hit is not _MISS:
             return hit  # type: ignore[return-value]
         neg = _negotiate(src.view.kv_format, dst.view.kv_format, self.kv_policy)
-        terms: tuple[float, float, float, tuple[str, ...]] | None = None
+        terms: HandoffTerms | None = None
         if neg.transferable and kv_can_flow(src.view, dst.view):
             link = self.link(src, dst)
             terms = (
@@ -493,8 +516,22 @@ class Fleet:
                 neg.cost_ms_per_gib / GIB,
                 tuple(str(r) for r in neg.reasons),
             )
-        self._handoff_cache[key] = terms  # type: ignore[assignment]
+        self._handoff_cache[key] = terms
         return terms
+
+    def _link_class(self, view: WorkerView) -> int:
+        """An id shared by workers whose hand-off figures to and from any worker are the same
+        (pool, KV format, connector direction, zone, rack, NIC), except for sharing a host,
+        which :meth:`handoff_terms` checks per pair."""
+        loc = view.location
+        sig = (
+            view.pool_id, view.kv_format, view.labels.get("kv-role"),
+            loc.zone, loc.rack, loc.nic_gbps,
+        )  # fmt: skip
+        got = self._classes.get(sig)
+        if got is None:
+            got = self._classes[sig] = len(self._classes)
+        return got
 
     # -- reservations ---------------------------------------------------------------------------
 

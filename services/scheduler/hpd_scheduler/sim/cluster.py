@@ -17,6 +17,9 @@ A cluster document::
         rack: a1
         kv: {dtype: bf16, layout: paged_nhd, block_size: 16}   # optional
         price_per_gpu_hour: 6.9       # optional, default from the GPU table
+        kv_connector: true            # optional; false: its engines run no KV connector
+                                      # (plain engines: no transfer in or out, label
+                                      # kv-role=none as `hpd agent --kv-role none` sets)
     links:                            # the policy core's LinkModel document
       classes: {cross_zone: {gbps: 25, latency_ms: 2.0}}
       pools: [{src: h100-prefill-a, dst: l40s-decode-b, gbps: 50, latency_ms: 1.0}]
@@ -79,6 +82,16 @@ class PoolSpec:
     max_batch_size: int = 256
     memory_fraction: float = 0.9
     price_per_gpu_hour: float = 0.0
+    kv_connector: bool = True
+
+    @property
+    def labels(self) -> dict[str, str]:
+        """The labels its workers register with (the pool; ``kv-role: none`` without a KV
+        connector, as an agent sets for such an engine)."""
+        out = {"pool": self.pool_id}
+        if not self.kv_connector:
+            out["kv-role"] = "none"
+        return out
 
     @property
     def gpus(self) -> int:
@@ -152,7 +165,7 @@ class ClusterSpec:
                             host=f"{pool.pool_id}-{i}",
                             nic_gbps=pool.nic_gbps,
                         ),
-                        labels={"pool": pool.pool_id},
+                        labels=pool.labels,
                     )
                 )
         return views
@@ -202,6 +215,7 @@ _POOL_KEYS = {
     "max_batch_size",
     "memory_fraction",
     "price_per_gpu_hour",
+    "kv_connector",
 }
 _TOP_KEYS = {"name", "model", "efficiency", "defaults", "pools", "links", "description"}
 
@@ -257,7 +271,14 @@ def _pool(raw: Any, key: str, defaults: Mapping[str, Any], seen: set[str]) -> Po
         max_batch_size=_num(get("max_batch_size", 256), f"{key}.max_batch_size", 1, integer=True),
         memory_fraction=float(_num(get("memory_fraction", 0.9), f"{key}.memory_fraction", 0.01, 1)),
         price_per_gpu_hour=float(_num(price, f"{key}.price_per_gpu_hour", 0.0)),
+        kv_connector=_flag(raw.get("kv_connector", True), f"{key}.kv_connector"),
     )
+
+
+def _flag(value: Any, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise ClusterError(key, f"must be true or false, got {value!r}")
+    return value
 
 
 def parse_cluster(doc: Any) -> ClusterSpec:
