@@ -179,6 +179,20 @@ def both_worker(pd_pair: RealFleet) -> Iterator[RealFleet]:
     agent.stop()
 
 
+def _lifecycle(real: RealFleet, worker_id: str, last: int = 8) -> list[str]:
+    """The agent's last lifecycle log lines (registered, lost, deregistered, lease) as
+    ``HH:MM:SS.s event``, for a failure message that says what the agent did."""
+    keep = ("registered", "engine_lost", "deregister", "lease_lost", "registration_failed")
+    lines: list[str] = []
+    with contextlib.suppress(OSError):
+        for raw in (real.log_dir / f"agent-{worker_id}.log").read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                ev = json.loads(raw)
+                if any(k in str(ev.get("event", "")) for k in keep):
+                    lines.append(f"{str(ev.get('timestamp', ''))[11:21]} {ev['event']}")
+    return lines[-last:]
+
+
 def _restart_decode(real: RealFleet) -> None:
     real.engines["decode"].start()
     real.engines["decode"].wait_ready()
@@ -222,14 +236,21 @@ def test_a_decode_engine_killed_while_the_request_waits_in_prefill_falls_back(
             result["error"] = exc.read().decode()
 
     gone: list[float] = []
+    seen: list[str] = []  # the watcher's last answer, for the failure message
 
     def watch() -> None:  # when d0 leaves, seen while the request still runs
         deadline = time.monotonic() + lease_s + 10
         while time.monotonic() < deadline:
-            with contextlib.suppress(grpc.RpcError):
-                if real.worker("d0") is None:
+            try:
+                got = real.worker("d0")
+            except grpc.RpcError as exc:
+                seen[:] = [f"GetWorker: {exc.code().name}"]
+            else:
+                if got is None:
                     gone.append(time.monotonic())
                     return
+                st = got.worker.status
+                seen[:] = [f"health {c.HealthState.Name(st.health)} ({st.health_reason!r})"]
             time.sleep(0.1)
 
     plan = None
@@ -270,7 +291,10 @@ def test_a_decode_engine_killed_while_the_request_waits_in_prefill_falls_back(
                 again.outcome.mode_used in (s.EXECUTION_MODE_SAME_POOL, s.EXECUTION_MODE_RECOMPUTE)
                 or again.plan.decode_worker_id == "zb0"
             ), again.outcome
-        assert killed_at is not None and gone, f"d0 still there {lease_s + 10:.0f} s after the kill"
+        assert killed_at is not None and gone, (
+            f"d0 still there {lease_s + 10:.0f} s after the kill; last seen: {seen}; its agent "
+            f"said: {_lifecycle(real, 'd0')}"
+        )
         gone_after = gone[0] - killed_at
         assert gone_after <= lease_s, f"d0 left after {gone_after:.1f} s, lease {lease_s:.0f} s"
     finally:
