@@ -216,7 +216,7 @@ class FakeControl:
         self.reports: list[tuple[str, Outcome]] = []
         self.prefixes: list[tuple[tuple[int, ...], int]] = []
         self.block = 0  # the engines' KV block size the fleet shows (0: none known)
-        self.done: list[tuple[str, int]] = []
+        self.done: list[str] = []
         self.failed: list[tuple[str, str, bool]] = []
         self._recorded = asyncio.Event()
 
@@ -247,8 +247,8 @@ class FakeControl:
         self.reports.append((request_id, out))
         self._recorded.set()
 
-    async def session_done(self, session_id: str, kv_bytes: int) -> None:
-        self.done.append((session_id, kv_bytes))
+    async def session_done(self, session_id: str) -> None:
+        self.done.append(session_id)
         self._recorded.set()
 
     async def session_failed(self, session_id: str, reason: str, started: bool) -> None:
@@ -438,7 +438,7 @@ async def test_transfer_hands_kv_from_prefill_to_decode(
     assert out.prefill_ms > 0
     assert out.output_tokens == 3
     await rig.control.until(lambda: bool(rig.control.done))
-    assert rig.control.done == [(SESSION, KV_BYTES)]
+    assert rig.control.done == [SESSION]
     assert rig.control.failed == []
     [(rid, model, prompt_tokens, output_tokens, tier)] = rig.control.scheduled
     assert (model, prompt_tokens, output_tokens, tier) == (MODEL, PROMPT_TOKENS, 3, "standard")
@@ -595,7 +595,7 @@ async def test_a_failure_mid_stream_after_a_transfer_completes_the_session_first
     assert rig["d2"].calls == []
     await rig.control.outcome()
     await rig.control.until(lambda: bool(rig.control.done))
-    assert rig.control.done == [(SESSION, KV_BYTES)]
+    assert rig.control.done == [SESSION]
 
 
 @pytest.mark.parametrize("streamed", STREAMED)

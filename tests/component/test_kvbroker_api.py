@@ -423,6 +423,35 @@ async def test_open_without_a_token_configured_needs_no_credential(
 # -- lifecycle, watch, list --------------------------------------------------------------------
 
 
+async def test_all_bytes_arrived_completes_without_progress_in_one_call(env: Env) -> None:
+    """A caller that reported no progress (a gateway that saw the decode side produce from
+    the KV) completes a NEGOTIATED or RESERVED session in one call when it says every byte
+    arrived; without saying so, completing still needs reported progress."""
+    p1, d1 = env.as_("p1"), env.as_("d1")
+    for i, reserve in enumerate((False, True)):
+        opened = await env.stub.OpenSession(open_request(f"req-all-{i}", who=p1), timeout=5)
+        sid = opened.session.session_id
+        if reserve:
+            await env.stub.ReportProgress(
+                k.ReportProgressRequest(session_id=sid, caller=d1, state=k.SESSION_STATE_RESERVED),
+                timeout=5,
+            )
+        early = env.stub.CompleteSession(k.CompleteSessionRequest(session_id=sid, caller=d1))
+        assert await code_of(early) == grpc.StatusCode.FAILED_PRECONDITION
+        before = (await env.stub.GetSession(k.GetSessionRequest(session_id=sid))).session
+        assert before.bytes_done == 0
+        done = await env.stub.CompleteSession(
+            k.CompleteSessionRequest(session_id=sid, caller=d1, all_bytes_arrived=True)
+        )
+        assert done.session.state == k.SESSION_STATE_COMPLETE
+        assert done.session.bytes_done == done.session.expected_bytes > 0
+        assert done.session.version == before.version + 1
+        again = await env.stub.CompleteSession(
+            k.CompleteSessionRequest(session_id=sid, caller=p1, all_bytes_arrived=True)
+        )
+        assert again.session == done.session  # a retry changes nothing
+
+
 async def test_a_full_lifecycle_seen_by_a_watcher(env: Env) -> None:
     opened = await env.stub.OpenSession(open_request("req-6", who=env.as_("p1")), timeout=5)
     sid = opened.session.session_id

@@ -223,20 +223,14 @@ class ControlPlane:
 
     # -- KV session -------------------------------------------------------------------------
 
-    async def session_done(self, session_id: str, kv_bytes: int) -> None:
-        """The decode worker produced a token from the transferred KV: all bytes moved."""
+    async def session_done(self, session_id: str) -> None:
+        """The decode worker produced a token from the transferred KV: every byte arrived
+        (progress and completion in one call)."""
         try:
-            await self.broker.ReportProgress(
-                kb.ReportProgressRequest(
-                    session_id=session_id,
-                    caller=self._caller,
-                    bytes_done=max(1, kv_bytes),
-                    state=kb.SESSION_STATE_TRANSFERRING,
-                ),
-                timeout=self.timeout_s,
-            )
             await self.broker.CompleteSession(
-                kb.CompleteSessionRequest(session_id=session_id, caller=self._caller),
+                kb.CompleteSessionRequest(
+                    session_id=session_id, caller=self._caller, all_bytes_arrived=True
+                ),
                 timeout=self.timeout_s,
             )
         except grpc.aio.AioRpcError as exc:

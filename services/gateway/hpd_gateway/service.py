@@ -380,7 +380,7 @@ class Gateway:
                     out.output_tokens = int(usage.get("completion_tokens") or 0)
                 out.ttft_ms = (self._clock() - t0) * 1000
                 if session:
-                    self._background(self.control.session_done(session, plan.kv_bytes))
+                    self._background(self.control.session_done(session))
                 await sink.send_json(200, reply)
         except _StepFailed as exc:
             # after the first token the KV had arrived: the session is COMPLETE already
@@ -430,7 +430,7 @@ class Gateway:
                     first = self._clock()
                     out.ttft_ms = (first - t0) * 1000
                     if session:
-                        self._background(self.control.session_done(session, plan.kv_bytes))
+                        self._background(self.control.session_done(session))
                 await sink.send(b"data: " + payload + b"\n\n")
                 if has_choice:
                     sent += 1

@@ -90,7 +90,9 @@ class KvBrokerApi(k_grpc.KvBrokerServiceServicer):
     async def CompleteSession(
         self, request: k.CompleteSessionRequest, context: Any
     ) -> k.CompleteSessionResponse:
-        s = await self.svc.complete(request.session_id, cv.caller_from_pb(request.caller))
+        s = await self.svc.complete(
+            request.session_id, cv.caller_from_pb(request.caller), request.all_bytes_arrived
+        )
         resp = k.CompleteSessionResponse()
         cv.session_to_pb(s, resp.session)
         return resp

@@ -69,6 +69,7 @@ class Op(enum.StrEnum):
     RESERVE = "reserve"  # the destination reserved KV memory (a worker)
     PROGRESS = "progress"  # bytes moved (a worker)
     COMPLETE = "complete"  # every byte arrived (a worker)
+    FINISH = "finish"  # every byte arrived, with no progress reported before (one call)
     FAIL = "fail"  # a worker reports failure, or the broker sees a worker's lease expire
     ABORT = "abort"  # a worker or the scheduler abandons the transfer
     EXPIRE = "expire"  # the broker: deadline or session lease passed
@@ -95,22 +96,27 @@ TRANSITIONS: Mapping[tuple[SessionState, Op], SessionState] = {
     (R, Op.EXPIRE): E,
     (T, Op.PROGRESS): T,
     (T, Op.COMPLETE): C,
+    (N, Op.FINISH): C,
+    (R, Op.FINISH): C,
+    (T, Op.FINISH): C,
     (T, Op.FAIL): F,
     (T, Op.ABORT): A,
     (T, Op.EXPIRE): E,
     (C, Op.COMPLETE): C,  # idempotent retry: no change
+    (C, Op.FINISH): C,  # idempotent retry: no change
     (F, Op.FAIL): F,  # idempotent retry: no change
     (A, Op.ABORT): A,  # idempotent retry: no change
 }
 """Every legal (state, operation) pair. Not listed, notably: complete before any byte was
-reported (NEGOTIATED, RESERVED), reserve once bytes move, and anything leaving a terminal
-state (terminal states are final; EXPIRED has no retry at all)."""
+reported (NEGOTIATED, RESERVED) unless the caller says every byte arrived (FINISH), reserve
+once bytes move, and anything leaving a terminal state (terminal states are final; EXPIRED
+has no retry at all)."""
 
 SCHEDULER_OPS = frozenset({Op.ABORT})
-GATEWAY_OPS = frozenset({Op.PROGRESS, Op.COMPLETE, Op.FAIL, Op.ABORT})
-"""What the gateway may do to a session it runs (it may not open one or reserve memory)."""
 """Operations the scheduler (token holder) may perform besides opening; the rest need one
 of the session's two workers."""
+GATEWAY_OPS = frozenset({Op.PROGRESS, Op.COMPLETE, Op.FINISH, Op.FAIL, Op.ABORT})
+"""What the gateway may do to a session it runs (it may not open one or reserve memory)."""
 
 REASON_DEADLINE = "deadline_exceeded"
 REASON_SESSION_LEASE = "session_lease_expired"
@@ -222,7 +228,7 @@ def apply(
                 return Outcome(Status.OVERFLOW, s)
             done = bytes_done
         changed = replace(changed, bytes_done=done, lease_expires_ms=now_ms + s.lease_ttl_ms)
-    elif op is Op.COMPLETE:
+    elif op in (Op.COMPLETE, Op.FINISH):
         changed = replace(changed, bytes_done=s.expected_bytes)
     elif op is Op.EXPIRE:
         changed = replace(changed, reason=reason or expiry_reason(s, now_ms))

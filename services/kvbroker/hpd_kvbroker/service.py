@@ -205,6 +205,7 @@ _OP_VERB = {
     Op.RESERVE: "reserve",
     Op.PROGRESS: "report progress on",
     Op.COMPLETE: "complete",
+    Op.FINISH: "complete",
     Op.FAIL: "fail",
     Op.ABORT: "abort",
     Op.EXPIRE: "expire",
@@ -531,8 +532,13 @@ class KvBrokerService:
             return await self._transition(session_id, Op.FAIL, caller, reason=reason)
         raise InvalidArgument("state", "must be TRANSFERRING, RESERVED or FAILED")
 
-    async def complete(self, session_id: str, caller: Caller) -> Session:
-        return await self._transition(session_id, Op.COMPLETE, caller)
+    async def complete(
+        self, session_id: str, caller: Caller, all_bytes_arrived: bool = False
+    ) -> Session:
+        """Every byte arrived: from TRANSFERRING, or with ``all_bytes_arrived`` also from
+        NEGOTIATED / RESERVED (progress and completion in one call)."""
+        op = Op.FINISH if all_bytes_arrived else Op.COMPLETE
+        return await self._transition(session_id, op, caller)
 
     async def abort(self, session_id: str, caller: Caller, reason: str) -> Session:
         check_reason("reason", reason)

@@ -238,7 +238,7 @@ if op == 'reserve' or op == 'progress' then
   end
   local extra = {'done', done, 'lexp', now + tonumber(s.ttl)}
   return {'applied', change(key, sid, s, nxt, by, nil, extra)}
-elseif op == 'complete' then
+elseif op == 'complete' or op == 'finish' then
   return {'applied', change(key, sid, s, nxt, by, nil, {'done', s.exb})}
 end
 local why = ARGV[7]

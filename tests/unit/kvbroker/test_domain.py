@@ -60,42 +60,49 @@ EXPECTED: dict[tuple[SessionState, Op], SessionState | None] = {
     (S.NEGOTIATED, Op.RESERVE): S.RESERVED,
     (S.NEGOTIATED, Op.PROGRESS): S.TRANSFERRING,
     (S.NEGOTIATED, Op.COMPLETE): None,
+    (S.NEGOTIATED, Op.FINISH): S.COMPLETE,
     (S.NEGOTIATED, Op.FAIL): S.FAILED,
     (S.NEGOTIATED, Op.ABORT): S.ABORTED,
     (S.NEGOTIATED, Op.EXPIRE): S.EXPIRED,
     (S.RESERVED, Op.RESERVE): S.RESERVED,
     (S.RESERVED, Op.PROGRESS): S.TRANSFERRING,
     (S.RESERVED, Op.COMPLETE): None,
+    (S.RESERVED, Op.FINISH): S.COMPLETE,
     (S.RESERVED, Op.FAIL): S.FAILED,
     (S.RESERVED, Op.ABORT): S.ABORTED,
     (S.RESERVED, Op.EXPIRE): S.EXPIRED,
     (S.TRANSFERRING, Op.RESERVE): None,
     (S.TRANSFERRING, Op.PROGRESS): S.TRANSFERRING,
     (S.TRANSFERRING, Op.COMPLETE): S.COMPLETE,
+    (S.TRANSFERRING, Op.FINISH): S.COMPLETE,
     (S.TRANSFERRING, Op.FAIL): S.FAILED,
     (S.TRANSFERRING, Op.ABORT): S.ABORTED,
     (S.TRANSFERRING, Op.EXPIRE): S.EXPIRED,
     (S.COMPLETE, Op.RESERVE): None,
     (S.COMPLETE, Op.PROGRESS): None,
     (S.COMPLETE, Op.COMPLETE): S.COMPLETE,
+    (S.COMPLETE, Op.FINISH): S.COMPLETE,
     (S.COMPLETE, Op.FAIL): None,
     (S.COMPLETE, Op.ABORT): None,
     (S.COMPLETE, Op.EXPIRE): None,
     (S.FAILED, Op.RESERVE): None,
     (S.FAILED, Op.PROGRESS): None,
     (S.FAILED, Op.COMPLETE): None,
+    (S.FAILED, Op.FINISH): None,
     (S.FAILED, Op.FAIL): S.FAILED,
     (S.FAILED, Op.ABORT): None,
     (S.FAILED, Op.EXPIRE): None,
     (S.EXPIRED, Op.RESERVE): None,
     (S.EXPIRED, Op.PROGRESS): None,
     (S.EXPIRED, Op.COMPLETE): None,
+    (S.EXPIRED, Op.FINISH): None,
     (S.EXPIRED, Op.FAIL): None,
     (S.EXPIRED, Op.ABORT): None,
     (S.EXPIRED, Op.EXPIRE): None,
     (S.ABORTED, Op.RESERVE): None,
     (S.ABORTED, Op.PROGRESS): None,
     (S.ABORTED, Op.COMPLETE): None,
+    (S.ABORTED, Op.FINISH): None,
     (S.ABORTED, Op.FAIL): None,
     (S.ABORTED, Op.ABORT): S.ABORTED,
     (S.ABORTED, Op.EXPIRE): None,
@@ -151,6 +158,16 @@ def test_operation_effects(op: Op, field: str, value: object) -> None:
 def test_complete_sets_bytes_to_expected() -> None:
     out = apply(session(S.TRANSFERRING, done=10), Op.COMPLETE, NOW + 1, "d1")
     assert (out.status, out.session.bytes_done) == (Status.APPLIED, GIB)
+
+
+@pytest.mark.parametrize("state", [S.NEGOTIATED, S.RESERVED, S.TRANSFERRING])
+def test_finish_completes_an_open_session_with_every_byte(state: SessionState) -> None:
+    out = apply(session(state), Op.FINISH, NOW + 1, "gw")
+    assert (out.status, out.session.state, out.session.bytes_done) == (
+        Status.APPLIED,
+        S.COMPLETE,
+        GIB,
+    )
 
 
 @pytest.mark.parametrize(

@@ -215,12 +215,14 @@ class ReportProgressResponse(_message.Message):
     def __init__(self, session: _Optional[_Union[KvSession, _Mapping]] = ...) -> None: ...
 
 class CompleteSessionRequest(_message.Message):
-    __slots__ = ("session_id", "caller")
+    __slots__ = ("session_id", "caller", "all_bytes_arrived")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CALLER_FIELD_NUMBER: _ClassVar[int]
+    ALL_BYTES_ARRIVED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     caller: SessionCaller
-    def __init__(self, session_id: _Optional[str] = ..., caller: _Optional[_Union[SessionCaller, _Mapping]] = ...) -> None: ...
+    all_bytes_arrived: bool
+    def __init__(self, session_id: _Optional[str] = ..., caller: _Optional[_Union[SessionCaller, _Mapping]] = ..., all_bytes_arrived: bool = ...) -> None: ...
 
 class CompleteSessionResponse(_message.Message):
     __slots__ = ("session",)

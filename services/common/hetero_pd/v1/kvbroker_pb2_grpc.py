@@ -154,7 +154,8 @@ class KvBrokerServiceServicer(object):
 
     def CompleteSession(self, request, context):
         """The transfer finished: TRANSFERRING -> COMPLETE (a retry on COMPLETE is a no-op).
-        FAILED_PRECONDITION from any other state; NOT_FOUND; PERMISSION_DENIED.
+        With all_bytes_arrived, also from NEGOTIATED or RESERVED: progress and completion in
+        one call. FAILED_PRECONDITION from any other state; NOT_FOUND; PERMISSION_DENIED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
