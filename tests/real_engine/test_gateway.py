@@ -121,6 +121,7 @@ def test_the_openai_sdk_streams_a_chat_through_a_real_kv_transfer(pd_pair: RealF
     assert after["local_compute"] == before["local_compute"]
     session = real.broker.GetSession(kb.GetSessionRequest(request_id=rid), timeout=5).session
     assert session.state == kb.SESSION_STATE_COMPLETE
+    assert session.bytes_done == session.expected_bytes > 0
     # the same request computed by one engine alone (same dummy weights): same tokens
     alone = http_json(
         real.engines["prefill"].url + "/v1/chat/completions",
