@@ -198,28 +198,36 @@ class WorkerClient:
         if deregister and self.credential:
             await self._deregister()
 
-    async def _deregister(self, attempts: int = 3) -> None:
+    async def _deregister(self) -> None:
         """DeregisterWorker, tried again while the registry answers UNAVAILABLE or misses
-        the deadline (a busy registry must not leave a gone engine planned on until its lease
-        lapses); when every attempt fails the lease still takes the worker out, and the log
-        says so."""
+        the deadline, for ``retry_budget_s`` or one lease, whichever is longer: a busy
+        registry must not leave a gone engine planned on (a lease does not lapse while the
+        registry grants the grace that follows its own stall). When the budget runs out
+        the lease still takes the worker out, and the log says so."""
         req = r.DeregisterWorkerRequest(worker_id=self.worker_id, credential=self.credential)
-        for attempt in range(attempts):
+        loop = asyncio.get_running_loop()
+        budget_s = max(self.timing.retry_budget_s, self.lease_ttl_ms / 1000)
+        deadline = loop.time() + budget_s
+        attempt = 0
+        while True:
             try:
                 await self._registry.DeregisterWorker(req, timeout=self.timing.rpc_timeout_s)
                 return
             except grpc.aio.AioRpcError as exc:
                 if exc.code() in _LEASE_LOST:
                     return  # already gone (its lease lapsed, or an operator removed it)
-                if exc.code() not in _RETRYABLE or attempt == attempts - 1:
+                pause = self.timing.backoff_s(attempt, self._rng)
+                if exc.code() not in _RETRYABLE or loop.time() + pause > deadline:
                     log.warning(
                         "deregister_failed",
                         worker_id=self.worker_id,
                         code=exc.code().name,
+                        attempts=attempt + 1,
                         note="the worker leaves when its lease lapses",
                     )
                     return
-            await asyncio.sleep(self.timing.backoff_s(attempt, self._rng))
+            await asyncio.sleep(pause)
+            attempt += 1
 
     async def kill(self) -> None:
         """A crash: heartbeats stop, nothing is said; the lease lapses at the registry."""

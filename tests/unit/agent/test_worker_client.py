@@ -3,6 +3,7 @@ engine is not planned on until its lease lapses; a worker already gone is not an
 
 from __future__ import annotations
 
+import asyncio
 import random
 from typing import Any
 
@@ -15,18 +16,24 @@ from hpd_common.clock import SystemClock
 
 
 class FakeRegistry:
-    def __init__(self, answers: list[grpc.StatusCode | None]) -> None:
+    """Answers each DeregisterWorker with the next code of ``answers`` (None: OK); once
+    they run out, with ``then`` for ever."""
+
+    def __init__(
+        self, answers: list[grpc.StatusCode | None], then: grpc.StatusCode | None = None
+    ) -> None:
         self.answers = answers
+        self.then = then
         self.calls = 0
 
     async def DeregisterWorker(self, req: Any, timeout: float) -> None:
         self.calls += 1
-        code = self.answers.pop(0)
+        code = self.answers.pop(0) if self.answers else self.then
         if code is not None:
             raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), "x")
 
 
-def client(registry: FakeRegistry) -> WorkerClient:
+def client(registry: FakeRegistry, budget_s: float = 10.0) -> WorkerClient:
     channel: Any = grpc.aio.insecure_channel("127.0.0.1:1")
     wc = WorkerClient(
         c.WorkerCapability(worker_id="w0"),
@@ -35,10 +42,11 @@ def client(registry: FakeRegistry) -> WorkerClient:
         lambda: None,
         SystemClock(),
         random.Random(1),
-        timing=ClientTiming(min_backoff_s=0.001, max_backoff_s=0.002),
+        timing=ClientTiming(min_backoff_s=0.001, max_backoff_s=0.002, retry_budget_s=budget_s),
     )
     wc._registry = registry
     wc.credential = "cred"
+    wc.lease_ttl_ms = 0  # the budget is retry_budget_s
     return wc
 
 
@@ -47,7 +55,7 @@ def client(registry: FakeRegistry) -> WorkerClient:
     [
         ([None], 1),
         ([grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, None], 3),
-        ([grpc.StatusCode.UNAVAILABLE] * 3, 3),  # then the lease takes it out
+        ([grpc.StatusCode.UNAVAILABLE] * 20 + [None], 21),  # a long stall: still said
         ([grpc.StatusCode.NOT_FOUND], 1),  # already gone
         ([grpc.StatusCode.INVALID_ARGUMENT], 1),  # not worth repeating
     ],
@@ -59,6 +67,17 @@ async def test_stop_deregisters_and_retries_a_busy_registry(
     wc = client(registry)
     await wc.stop(deregister=True)
     assert registry.calls == calls
+    assert not wc.alive
+
+
+async def test_a_registry_away_for_the_whole_budget_is_left_to_the_lease() -> None:
+    registry = FakeRegistry([], then=grpc.StatusCode.UNAVAILABLE)
+    wc = client(registry, budget_s=0.05)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    await wc.stop(deregister=True)
+    assert registry.calls > 3  # tried for the budget, not a fixed count
+    assert loop.time() - t0 < 1.0  # and then gave up: the lease takes the worker out
     assert not wc.alive
 
 
