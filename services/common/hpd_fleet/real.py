@@ -24,6 +24,7 @@ import contextlib
 import hashlib
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -437,15 +438,48 @@ if __name__ == "__main__":
 
 
 _HANDED_OUT: set[int] = set()
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LOWEST_PORT = 10_000
+_MIN_SPAN = 1000  # ports a span outside the ephemeral range needs to be worth drawing from
 
 
-def pick_port() -> int:
-    """A port of 127.0.0.1 that was free a moment ago and that this process has not handed
-    out before: an engine binds its ports tens of seconds after they are chosen, and
-    meanwhile the kernel may offer the same free port again."""
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for ports it hands out by itself (outgoing connections, bind to
+    port 0); Linux's default when it cannot be read."""
+    try:
+        lo, hi = (int(x) for x in _EPHEMERAL_RANGE.read_text().split())
+    except (OSError, ValueError):
+        return 32_768, 60_999
+    return lo, hi
+
+
+def pick_port(rng: random.Random | None = None) -> int:
+    """A port of 127.0.0.1 that is free now, that this process has not handed out before,
+    and that lies outside the kernel's ephemeral range. An engine binds its ports tens of
+    seconds after they are chosen and binds the same ones again when it is restarted; in the
+    ephemeral range, any process's outgoing connection may take such a port in between
+    (an engine restarted in CI once failed to bind its NIXL side channel so), while the
+    kernel never hands out a port outside it by itself."""
     import socket
 
-    while True:
+    rng = rng or random.Random()
+    lo, hi = _ephemeral_range()
+    spans = [(a, b) for a, b in ((_LOWEST_PORT, lo - 1), (hi + 1, 65_535)) if b - a >= _MIN_SPAN]
+    for _ in range(1000):
+        if not spans:
+            break
+        a, b = rng.choice(spans)
+        port = rng.randint(a, b)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    while True:  # no room outside the ephemeral range: the kernel's choice
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind(("127.0.0.1", 0))
             port = int(sock.getsockname()[1])
