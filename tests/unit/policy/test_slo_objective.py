@@ -295,3 +295,26 @@ def test_an_admission_refusal_suggests_the_wait_until_the_request_fits(queue: in
     assert d.retry_after_ms is not None
     assert d.retry_after_ms == pytest.approx(min(tier.queue_budget_ms, max(100.0, best - limit)))
     assert d.retry_after_ms < tier.queue_budget_ms or best - limit >= tier.queue_budget_ms
+
+
+def test_a_prefill_on_a_worker_that_also_decodes_counts_the_stall_on_its_batch() -> None:
+    """``b`` serves both stages and decodes 150 sequences; its prefill queue is empty, so
+    a transfer with its prefill on ``b`` has the best TTFT estimate, but that prefill would
+    stall ``b``'s running sequences as a local prefill does (spread over a few decode
+    steps, past the TPOT target): the option is predicted to miss TPOT, and the prefill
+    goes to ``p`` (queued, within the target), as it does for a local prefill on ``b``."""
+    views = [
+        worker("p", Stage.PREFILL, gpu="H100-SXM", queue=30, rack="r1"),
+        worker("b", Stage.BOTH, gpu="L40S", batch=150, kv_total_gib=28.0, kv_free_gib=20.0),
+        worker("d", Stage.DECODE, gpu="A100-80G", rack="r1"),
+    ]
+    d = _plan(views, request(6000, 8, "standard"))
+    assert d.plan is not None and d.plan.prefill_worker_id == "p"
+    opts = {(o.mode, o.p.ws.worker_id, o.d.ws.worker_id): o for o in d.record.options}
+    on_b = opts[(Mode.TRANSFER, "b", "d")]
+    via_p = opts[(Mode.TRANSFER, "p", "d")]
+    limit = 0.9 * DEFAULT.tier("standard").tpot_ms
+    assert on_b.p.ws.step_ms() <= limit < on_b.p.ws.step_ms() + on_b.p.run_ms / 8
+    assert on_b.ttft_ms < via_p.ttft_ms
+    assert on_b.score <= 2 / 3 < via_p.score
+    assert opts[(Mode.SAME_POOL, "b", "b")].score <= 2 / 3  # the local rule, the same way

@@ -143,7 +143,8 @@ class SloObjective:
     on a worker serving both stages), not only where the seed rule would recompute, and the
     estimates above choose between it and a transfer; such an option's TPOT estimate adds
     the stall its prefill puts on a non-empty running batch, ``(queued local prefill +
-    this prefill) / expected output tokens``.
+    this prefill) / expected output tokens``; a transfer whose prefill worker also decodes
+    (it serves both stages) is judged by the same stall on that worker's running batch.
     ``admit_ttft_factor`` ``a`` (0: off): refuse a request (SATURATED,
     ``ttft_over_admission_limit``) when no option has ``ttft_est <= a x tier.ttft_ms``, except
     an option whose own work (prefill, hand-off) is at least half its estimate, i.e. a prompt

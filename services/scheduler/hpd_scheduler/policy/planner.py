@@ -21,7 +21,7 @@ Stages of :meth:`Planner.plan`:
      the SLO objective's ``conditional`` (the default profile) on every decode worker, and
      the whole-path estimates below choose between disaggregated and local serving
      (conditional disaggregation; a local prefill's TPOT estimate counts its stall on the
-     running batch).
+     running batch, and so does a transfer's prefill on a worker that also decodes).
      Pair score = ``w_P x P(p, link) + w_D x D(d, link)``, side weights by resource need
      (prefill-heavy requests weigh the prefill side more);
    * ``independent`` (seed and the baselines): prefill ranked alone (link unknown: the
@@ -770,15 +770,28 @@ def _apply_slo(
     s = slo.slack_weight
     for i in range(first, len(options)):
         o = options[i]
-        if o.mode is not Mode.TRANSFER and o.p.ws is d.ws and slo.conditional and d.ws.batch:
+        if not slo.conditional:
+            kept_tpot = tpot_ok
+        elif o.p.ws is d.ws:
             # a local prefill stalls the running batch: the sequences there wait for the
             # prefill queued on this worker and this prompt's, spread over a sequence's
             # decode steps (this request's output stands for theirs); an idle batch has no
             # one to stall
-            stall = (o.p.wait_ms + o.p.run_ms) / steps
+            stall = (o.p.wait_ms + o.p.run_ms) / steps if d.ws.batch else 0.0
             kept_tpot = 1.0 if d.step_ms + stall <= tpot_limit else 0.0
         else:
+            # a transfer's prefill on a worker that also decodes (it serves both stages)
+            # stalls that worker's running batch the same way a local prefill does: an
+            # option that would push their TPOT past the target does not keep it. (The
+            # prefill queued on the decode side was tried as a stall on a transfer too:
+            # on the suite it cost the slow-link cells up to 27 % of goodput and was left
+            # out.)
             kept_tpot = tpot_ok
+            pws = o.p.ws
+            if kept_tpot and pws.batch:
+                stall = (o.p.wait_ms + o.p.run_ms) / steps
+                if pws.step_ms() + stall > tpot_limit:
+                    kept_tpot = 0.0
         if admit > 0:
             if o.mode is Mode.TRANSFER:
                 ahead = o.p.wait_ms + o.p.run_ms
