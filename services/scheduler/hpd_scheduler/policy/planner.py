@@ -770,28 +770,20 @@ def _apply_slo(
     s = slo.slack_weight
     for i in range(first, len(options)):
         o = options[i]
-        if not slo.conditional:
-            kept_tpot = tpot_ok
-        elif o.p.ws is d.ws:
-            # a local prefill stalls the running batch: the sequences there wait for the
-            # prefill queued on this worker and this prompt's, spread over a sequence's
-            # decode steps (this request's output stands for theirs); an idle batch has no
-            # one to stall
-            stall = (o.p.wait_ms + o.p.run_ms) / steps if d.ws.batch else 0.0
-            kept_tpot = 1.0 if d.step_ms + stall <= tpot_limit else 0.0
-        else:
-            # a transfer's prefill on a worker that also decodes (it serves both stages)
-            # stalls that worker's running batch the same way a local prefill does: an
-            # option that would push their TPOT past the target does not keep it. (The
-            # prefill queued on the decode side was tried as a stall on a transfer too:
-            # on the suite it cost the slow-link cells up to 27 % of goodput and was left
-            # out.)
-            kept_tpot = tpot_ok
-            pws = o.p.ws
-            if kept_tpot and pws.batch:
-                stall = (o.p.wait_ms + o.p.run_ms) / steps
-                if pws.step_ms() + stall > tpot_limit:
-                    kept_tpot = 0.0
+        kept_tpot = tpot_ok
+        pws = o.p.ws
+        if slo.conditional and pws.batch and (pws is d.ws or pws.view.stage is Stage.BOTH):
+            # a prefill on a worker that is decoding (a local prefill, or a transfer's on a
+            # worker serving both stages; a prefill worker's batch is prefills, which this
+            # one only queues behind) stalls its running batch: the sequences there wait
+            # for the prefill queued on it and this prompt's, spread over a sequence's decode
+            # steps (this request's output stands for theirs); an option that would push
+            # their TPOT past the target does not keep it. (The prefill queued on the decode
+            # side was tried as a stall on a transfer too: on the suite it cost the
+            # slow-link cells up to 27 % of goodput and was left out.)
+            step = d.step_ms if pws is d.ws else pws.step_ms()
+            if step + (o.p.wait_ms + o.p.run_ms) / steps > tpot_limit:
+                kept_tpot = 0.0
         if admit > 0:
             if o.mode is Mode.TRANSFER:
                 ahead = o.p.wait_ms + o.p.run_ms
