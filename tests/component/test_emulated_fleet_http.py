@@ -228,13 +228,16 @@ async def test_a_decode_engine_killed_mid_stream_ends_the_stream_with_an_error(
             stream(st.url, {"model": MODEL, "prompt": prompt(300), "max_tokens": 4000}, rid)
         )
         plan = None
-        for _ in range(200):
+        deadline = asyncio.get_running_loop().time() + 20
+        while asyncio.get_running_loop().time() < deadline:
             with contextlib.suppress(grpc.aio.AioRpcError):
                 plan = (await st.scheduler.GetRouteRecord(
                     s.GetRouteRecordRequest(request_id=rid), timeout=1)).record.plan  # fmt: skip
                 if st.fleet.workers[plan.decode_worker_id].engine._batch:
                     break  # decoding now
             await asyncio.sleep(0.02)
+        else:
+            pytest.fail("the request never started decoding")
         assert plan is not None
         await st.fleet.kill(plan.decode_worker_id)
         status, events = await asyncio.wait_for(task, 20)

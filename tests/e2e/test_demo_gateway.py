@@ -17,6 +17,7 @@ from hpd_common.traces import load_trace, reshape
 from hpd_fleet.demo import DemoOptions, default_trace_path, main, options_from, parser, run_demo
 from hpd_fleet.faults import Fault
 from hpd_fleet.fleet import default_cluster_path
+from hpd_gateway.service import REPLAN_SUFFIX
 
 pytestmark = [pytest.mark.integration, pytest.mark.e2e]
 
@@ -58,7 +59,7 @@ async def test_the_demo_through_the_gateway_accounts_for_every_request(
     for rec in res.records:
         if not rec.completed:
             continue
-        rr = by_id.get(rec.request_id + ":replan") or by_id[rec.request_id]
+        rr = by_id.get(rec.request_id + REPLAN_SUFFIX) or by_id[rec.request_id]
         assert rr.outcome.success
         # the client's TTFT runs from the request's arrival and holds the gateway's
         assert rec.ttft_ms + 1.0 >= rr.outcome.ttft_ms > 0, (rec, rr.outcome)

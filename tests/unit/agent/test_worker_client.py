@@ -33,7 +33,7 @@ class FakeRegistry:
             raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), "x")
 
 
-def client(registry: FakeRegistry, budget_s: float = 10.0) -> WorkerClient:
+def client(registry: FakeRegistry, budget_s: float = 10.0, lease_ms: int = 0) -> WorkerClient:
     channel: Any = grpc.aio.insecure_channel("127.0.0.1:1")
     wc = WorkerClient(
         c.WorkerCapability(worker_id="w0"),
@@ -46,7 +46,7 @@ def client(registry: FakeRegistry, budget_s: float = 10.0) -> WorkerClient:
     )
     wc._registry = registry
     wc.credential = "cred"
-    wc.lease_ttl_ms = 0  # the budget is retry_budget_s
+    wc.lease_ttl_ms = lease_ms  # 0: the budget is retry_budget_s
     return wc
 
 
@@ -79,6 +79,19 @@ async def test_a_registry_away_for_the_whole_budget_is_left_to_the_lease() -> No
     assert registry.calls > 3  # tried for the budget, not a fixed count
     assert loop.time() - t0 < 1.0  # and then gave up: the lease takes the worker out
     assert not wc.alive
+
+
+async def test_a_lease_longer_than_the_budget_is_the_budget() -> None:
+    """Retried for one lease when that is longer than the retry budget: the worker would
+    stay listed that long anyway, and a registry that stalled grants its lease a grace."""
+    registry = FakeRegistry([], then=grpc.StatusCode.UNAVAILABLE)
+    wc = client(registry, budget_s=0.001, lease_ms=200)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    await wc.stop(deregister=True)
+    # backoffs of at most 2 ms: tried for about the lease, far past the 1 ms budget
+    assert loop.time() - t0 >= 0.15
+    assert registry.calls > 10
 
 
 async def test_stop_without_deregistering_says_nothing() -> None:
