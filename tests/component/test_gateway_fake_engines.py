@@ -892,6 +892,20 @@ async def test_the_prompts_block_chain_goes_with_the_schedule(rig: Rig) -> None:
     assert status == 200 and rig.control.prefixes[-1] == ((), 0)
 
 
+async def test_a_token_id_prompt_is_counted_as_sent_without_a_tokenize_call(rig: Rig) -> None:
+    """Token ids need no tokenizer: the gateway counts them and keys their blocks itself,
+    with no round trip to an engine's /tokenize."""
+    rig.use(rig.primary(TRANSFER, "d1", "p1"))
+    rig.control.block = 4
+    ids = list(range(100, 110))
+    body = {**request_body(COMPLETIONS), "prompt": ids}
+    status, _, _ = await rig.post(COMPLETIONS, body)
+    assert status == 200
+    assert "/tokenize" not in [path for path, _ in rig["p1"].calls]
+    assert rig.control.scheduled[-1][2] == len(ids)
+    assert rig.control.prefixes[-1] == (chain_hashes(ids, 4), 4)
+
+
 @pytest.mark.parametrize(
     ("mode", "streamed"), [(TRANSFER, False), (TRANSFER, True), (RECOMPUTE, True)]
 )

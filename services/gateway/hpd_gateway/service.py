@@ -56,7 +56,7 @@ from .protocol import (
     sse_event,
     strip_usage_chunk,
 )
-from .tokens import LocalTokenizers
+from .tokens import LocalTokenizers, prompt_token_ids
 
 __all__ = ["REPLAN_SUFFIX", "Gateway", "GatewayConfig", "Sink"]
 
@@ -170,6 +170,9 @@ class Gateway:
     async def _count_tokens(self, req: ClientRequest) -> tuple[int, list[int] | None]:
         """The prompt's token count and, when known exactly, its token ids."""
         endpoints = self.control.tokenizer_endpoints(req.model)
+        ids = prompt_token_ids(req.body) if endpoints else None
+        if ids is not None:  # token ids: counted as sent, no tokenizer and no round trip
+            return len(ids), ids
         if endpoints and self.tokenizers is not None and req.model in self.tokenizers:
             return (
                 self.tokenizers.count(req.model, req.body),

@@ -15,10 +15,19 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CHAT_TOKENS_PER_MESSAGE", "LocalTokenizers"]
+__all__ = ["CHAT_TOKENS_PER_MESSAGE", "LocalTokenizers", "prompt_token_ids"]
 
 CHAT_TOKENS_PER_MESSAGE = 4
 """Role markers and separators a chat template adds per message (Llama-3: 4 to 5)."""
+
+
+def prompt_token_ids(body: Mapping[str, Any]) -> list[int] | None:
+    """A checked completions body's prompt when it is token ids (counted as sent, no
+    tokenizer needed); None for text and chat."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        return [int(t) for t in prompt]
+    return None
 
 
 class LocalTokenizers:
@@ -45,9 +54,10 @@ class LocalTokenizers:
         (text or token ids); None for chat, whose template only the engine applies."""
         if "messages" in body:
             return None
+        ids = prompt_token_ids(body)
+        if ids is not None:
+            return ids
         prompt = body["prompt"]
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-            return [int(t) for t in prompt]
         text = prompt[0] if isinstance(prompt, list) else prompt
         return list(self._tok[model].encode(str(text)).ids)
 
@@ -65,8 +75,9 @@ class LocalTokenizers:
                 total += len(tok.encode(str(content or ""), add_special_tokens=False).ids)
                 total += CHAT_TOKENS_PER_MESSAGE
             return total
+        ids = prompt_token_ids(body)
+        if ids is not None:
+            return len(ids)
         prompt = body["prompt"]
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-            return len(prompt)
         text = prompt[0] if isinstance(prompt, list) else prompt
         return len(tok.encode(str(text)).ids)
