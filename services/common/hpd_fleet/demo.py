@@ -45,7 +45,7 @@ from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
 from hpd_agent.worker_client import ClientTiming
 from hpd_common.clock import SystemClock
 from hpd_common.controlplane import ControlPlane, ControlPlaneSettings
-from hpd_common.embedded_redis import EmbeddedRedis, free_port
+from hpd_common.embedded_redis import EmbeddedRedis
 from hpd_common.logging import configure_logging, get_logger
 from hpd_common.traces import Trace, load_trace, reshape
 from hpd_gateway.service import REPLAN_SUFFIX
@@ -58,7 +58,7 @@ from .faults import Fault, FaultInjector, parse_fault
 from .fleet import Fleet, default_cluster_path
 from .gateway import DECISION_NAMES, Gateway, GatewayConfig, Replay, RequestRecord
 from .live import LiveView
-from .real import AgentProcess, wait_http
+from .real import AgentProcess, pick_port, wait_http
 from .replay import HttpReplay
 from .report import build_report, format_report, plot_report, write_report
 
@@ -243,7 +243,7 @@ async def _start_gateway(
     the control plane, every engine and the clients: with the gateway too, its one core
     would time everything). Its log goes to ``<out>/gateway-demo.log``."""
     registry, scheduler, broker = targets
-    port = opts.gateway_port or free_port()
+    port = opts.gateway_port or pick_port()
     url = f"http://{opts.host}:{port}"
     proc = AgentProcess(
         "demo",

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import socket
 import time
 import uuid
@@ -48,6 +47,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from hpd_common.logging import get_logger
+from hpd_gateway.protocol import sse_event
+from hpd_gateway.tokens import CHAT_TOKENS_PER_MESSAGE  # the gateway's estimate is the same
 
 from .engine import WorkerLost
 from .fleet import EmulatedWorker, Fleet
@@ -58,8 +59,6 @@ log = get_logger("fleet.http")
 
 KV_HOLD_S = 60.0
 """Wall seconds a prefilled prompt's KV waits for its decode engine to pull it."""
-CHAT_TOKENS_PER_MESSAGE = 4
-"""Role markers a chat template adds per message (the gateway's own estimate uses the same)."""
 _VOCAB = 32_000
 
 
@@ -229,8 +228,8 @@ class _WorkerServer:
         self._watch = asyncio.create_task(self._on_death())
 
     async def stop(self) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
+        if self._watch is not None and self._watch is not asyncio.current_task():
+            self._watch.cancel()  # (not when the watch itself stops the server: see _on_death)
         for held in self.held.values():
             if held.expiry is not None:
                 held.expiry.cancel()
@@ -347,14 +346,15 @@ class _WorkerServer:
             held.expiry.cancel()
         return held
 
-    async def _pull(self, params: Mapping[str, Any], rid: str, tokens: int) -> None:
+    async def _pull(self, params: Mapping[str, Any]) -> None:
         """Pull the prompt's KV from the engine ``params`` name, over the fleet's link."""
         src_id = str(params.get("remote_engine_id", ""))
+        remote = str(params.get("remote_request_id", ""))
         src = self.fleet.get(src_id)
         server = self.peers.get(src_id)
-        held = server.take(str(params.get("remote_request_id", ""))) if server else None
+        held = server.take(remote) if server else None
         if src is None or server is None or held is None or not src.engine.alive:
-            raise _PullFailed(f"no KV for {params.get('remote_request_id')!r} on {src_id!r}")
+            raise _PullFailed(f"no KV for {remote!r} on {src_id!r}")
         try:
             ms = Fleet.transfer_ms(self.fleet.link(src_id, self.worker.worker_id), held.kv_bytes)
             pulled = asyncio.ensure_future(self.fleet.time.sleep_ms(ms))
@@ -367,7 +367,7 @@ class _WorkerServer:
             if not src.engine.alive:
                 raise _PullFailed(f"{src_id} died during the transfer")
         finally:
-            src.engine.release(str(params.get("remote_request_id", "")))
+            src.engine.release(remote)
         self.counters.kv_bytes_pulled += held.kv_bytes
 
     async def _serve(self, reply: _Reply, pull: Mapping[str, Any] | None) -> web.StreamResponse:
@@ -379,7 +379,7 @@ class _WorkerServer:
             await eng.allocate(rid, n + out)
             if pull is not None:
                 try:
-                    await self._pull(pull, rid, n)
+                    await self._pull(pull)
                 except _PullFailed as exc:
                     return _error(500, f"KV transfer failed: {exc}", "server_error")
                 self.counters.prompt_by_source["external_kv_transfer"] += n
@@ -498,7 +498,7 @@ class _Reply:
             "choices": list(choices),
             **extra,
         }
-        return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+        return sse_event(event)
 
     def token_event(self, first: bool = False, tokens: int = 1) -> bytes:
         """One event carrying ``tokens`` tokens: the engine emulation runs the steps of one
@@ -523,7 +523,7 @@ class _Reply:
         data = self._event([last])
         if self.include_usage:
             data += self._event([], usage=self._usage(out))
-        return data + b"data: [DONE]\n\n"
+        return data + sse_event("[DONE]")
 
 
 def _error(status: int, message: str, type_: str = "BadRequestError") -> web.Response:
