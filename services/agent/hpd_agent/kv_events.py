@@ -202,6 +202,11 @@ REBUILD_SPACING_S = 1.0
 report at most this often: a replay sends every kept batch."""
 
 
+REPORT_MAX_EVENTS = 1024
+"""Events one ``ReportKvEvents`` call may carry (the registry refuses more: its
+``MAX_KV_EVENTS``); a replayed history is reported in parts of at most this many."""
+
+
 class KvEventRelay:
     """Subscribes to ``endpoint`` and reports decoded events in batches (module
     docstring). ``report(block_tokens, events)`` may raise; the batch is then dropped and a
@@ -231,6 +236,7 @@ class KvEventRelay:
         self.replayed = 0  # batches they gave
         self._dirty = True  # start clean: the index knows nothing of this engine yet
         self._skip_through: int | None = None  # live batches the last replay gave
+        self._last_live: int | None = None  # the last live sequence seen
         self._rebuild_at = 0.0  # no replay for a lost report before then (loop time)
 
     async def run(self) -> None:
@@ -272,8 +278,10 @@ class KvEventRelay:
                         and loop.time() >= self._rebuild_at
                     ):  # a report was lost: the engine's kept history in its place
                         self._rebuild_at = loop.time() + REBUILD_SPACING_S
-                        self.decoder.reset()
-                        pending = await self._resync(0)
+                        got = await self._replay(0)
+                        if got:  # else keep the live events: a failed replay loses nothing
+                            self.decoder.reset()
+                            pending = self._decode_replay(0, got)
                     await self._flush(pending)
                     pending = []
                 if loop.time() >= deadline:
@@ -288,10 +296,15 @@ class KvEventRelay:
         """One message of the subscription, with the replay's duplicates dropped and a
         gap filled from the replay when it can be."""
         seq = sequence(frames)
-        if seq is not None and self._skip_through is not None:
-            if seq <= self._skip_through:
-                return []  # the replay gave it already
-            self._skip_through = None
+        if seq is not None:
+            # a live sequence at or below the last live one is an engine that restarted,
+            # not a batch the replay gave already (those come after the live ones seen)
+            went_back = self._last_live is not None and seq <= self._last_live
+            self._last_live = seq
+            if self._skip_through is not None:
+                if seq <= self._skip_through and not went_back:
+                    return []  # the replay gave it already
+                self._skip_through = None
         out: list[KvEvent] = []
         decoder = self.decoder
         if seq is not None and self.replay_endpoint and not decoder.in_order(seq):
@@ -309,7 +322,10 @@ class KvEventRelay:
     async def _resync(self, start: int) -> list[KvEvent]:
         """The engine's kept batches from ``start`` on, decoded in order (a batch missing
         at the start shows as a gap: the decoder clears)."""
-        got = await self._replay(start)
+        return self._decode_replay(start, await self._replay(start))
+
+    def _decode_replay(self, start: int, got: list[tuple[int, bytes]]) -> list[KvEvent]:
+        """Replayed batches (from ``start`` on) decoded in order."""
         out: list[KvEvent] = []
         decoder = self.decoder
         for seq, payload in got:
@@ -364,14 +380,19 @@ class KvEventRelay:
         return out
 
     async def _flush(self, events: list[KvEvent]) -> None:
+        """Report ``events`` (after a clear when the index may be stale), in parts the
+        registry takes; a part that fails leaves the index to be rebuilt from a clear."""
         if self._dirty:
             events = [("c", []), *events]
-        try:
-            await self.report(self.decoder.block_tokens or 1, events)
-        except Exception as exc:  # registry away, lease lost: start clean next time
-            self.failed += 1
-            self._dirty = True
-            log.info("kv_events_not_reported", error=str(exc)[:200], events=len(events))
-            return
-        self._dirty = False
-        self.reported += len(events)
+        step = max(1, min(self.max_batch, REPORT_MAX_EVENTS))
+        for i in range(0, len(events), step):
+            part = events[i : i + step]
+            try:
+                await self.report(self.decoder.block_tokens or 1, part)
+            except Exception as exc:  # registry away, lease lost: start clean next time
+                self.failed += 1
+                self._dirty = True
+                log.info("kv_events_not_reported", error=str(exc)[:200], events=len(part))
+                return
+            self._dirty = False
+            self.reported += len(part)

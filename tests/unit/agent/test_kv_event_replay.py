@@ -16,8 +16,9 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from hpd_agent.kv_events import END_SEQ, KvEvent, KvEventRelay
+from hpd_agent.kv_events import END_SEQ, REPORT_MAX_EVENTS, KvEvent, KvEventRelay
 from hpd_common.kvchain import chain_hashes
+from hpd_registry.api import MAX_KV_EVENTS
 
 BLOCK = 16
 
@@ -332,3 +333,45 @@ async def test_no_batch_is_lost_to_the_flush_timer(engine: Engine) -> None:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+def test_the_report_limit_is_the_registrys() -> None:
+    assert REPORT_MAX_EVENTS == MAX_KV_EVENTS
+
+
+async def test_a_history_longer_than_one_report_takes_is_reported_in_parts(
+    engine: Engine,
+) -> None:
+    """1,500 kept batches (more than the registry takes in one call): replayed whole, and
+    reported in parts within the limit, the clear only in the first."""
+    want: set[int] = set()
+    for i in range(1500):
+        block = prompt(1, 100_000 + i * BLOCK)
+        want |= set(chain_hashes(block, BLOCK))
+        engine.batch(stored([i + 1], None, block), send=False)
+    index = Index()
+    async with relay_of(engine, index) as relay:
+        await until(lambda: index.keys == want, timeout_s=20)
+        assert max(len(r) for r in index.reports) <= min(relay.max_batch, REPORT_MAX_EVENTS)
+        assert len(index.reports) > 1 and index.clears == 1
+        assert relay.failed == 0
+
+
+async def test_an_engine_that_restarts_right_after_a_gap_was_filled_is_not_skipped(
+    engine: Engine,
+) -> None:
+    """A gap filled from the replay leaves the relay skipping live batches up to the
+    replay's last; an engine that restarts then sends sequences from 0 again, which are a
+    restart (they go back below the last live one), not batches the replay gave."""
+    index = Index()
+    a, b, c = prompt(1, 100), prompt(1, 300), prompt(1, 500)
+    async with relay_of(engine, index) as relay:
+        await subscribed(engine, relay, index)
+        engine.batch(stored([1], None, a), send=False)  # lost
+        engine.batch(stored([2], None, b))  # the gap shows: replayed
+        await until(lambda: chain_hashes(b, BLOCK)[0] in index.keys)
+        engine.restart()
+        engine.batch(stored([3], None, c))  # sequence 0 again
+        want = set(chain_hashes(c, BLOCK))
+        await until(lambda: index.keys == want)
+        assert engine.replays[-1] == 0
