@@ -39,15 +39,18 @@ GC_PAUSE_SECONDS = Histogram(
 
 _started: set[int] = set()
 _gc_started: list[float] = []
+# one child per generation, made here: the callback then takes no label lock per collection
+_GC_PAUSE = {g: GC_PAUSE_SECONDS.labels(str(g)) for g in range(3)}
 
 
 def _on_gc(phase: str, info: dict[str, Any]) -> None:
     if phase == "start":
         _gc_started.append(time.perf_counter())
     elif _gc_started:
-        GC_PAUSE_SECONDS.labels(str(info.get("generation", "?"))).observe(
-            time.perf_counter() - _gc_started.pop()
-        )
+        child = _GC_PAUSE.get(info.get("generation", -1))
+        elapsed = time.perf_counter() - _gc_started.pop()
+        if child is not None:
+            child.observe(elapsed)
 
 
 def watch_gc() -> None:
