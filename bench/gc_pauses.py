@@ -29,7 +29,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from hpd_common.embedded_redis import free_port
+from hpd_tools.embedded_redis import free_port
 
 HPD = Path(sys.executable).with_name("hpd")
 FAMILY = "hpd_gc_pause_seconds"

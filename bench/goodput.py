@@ -6,7 +6,7 @@ Cluster: ``data/clusters/default.yaml`` (2 x H100 prefill + 2 x A100 decode in z
 1 x A100 prefill + 3 x L40S decode in zone b, a shared 25 Gb/s cross-zone link; Llama-3-8B).
 SLOs: TTFT <= 1,000 ms and TPOT <= 50 ms per request (the interactive tier's targets).
 Goodput (DistServe): the highest request rate at which >= 90 % of requests meet both SLOs,
-found by bracketing and bisecting the trace's rate scale (``hpd_scheduler.sim.goodput``).
+found by bracketing and bisecting the trace's rate scale (``hpd_sim.goodput``).
 
 Figures: goodput of ours (the default profile), least-loaded (capacity-blind), the seed
 weights and the colocated baseline; their ratios; ours against the cluster's fluid capacity
@@ -27,7 +27,7 @@ requests.
     python bench/goodput.py --quick    # first 3,000 requests, coarser search (< 1 minute)
     python bench/goodput.py --json     # one JSON object
 
-``--suite``: the scheduling-quality matrix instead (``hpd_scheduler.sim.suite`` says what is in
+``--suite``: the scheduling-quality matrix instead (``hpd_sim.suite`` says what is in
 it): goodput of ours, least_loaded, seed, colocated, round_robin and random on every cluster
 of ``data/clusters/`` and ``data/clusters/suite/`` x every suite workload (Azure
 conversation, Mooncake, synthetic long prompts, short prompts and bursts); per cell
@@ -50,11 +50,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hpd_common.traces import load_trace, reshape
-from hpd_scheduler.sim import SimConfig, Slo, load_cluster, simulate, suite
-from hpd_scheduler.sim.cli import default_trace_path
-from hpd_scheduler.sim.goodput import fluid_bound
-from hpd_scheduler.sim.runner import resolve_policy, run_policy
+from hpd_sim import SimConfig, Slo, load_cluster, simulate, suite
+from hpd_sim.cli import default_trace_path
+from hpd_sim.goodput import fluid_bound
+from hpd_sim.runner import resolve_policy, run_policy
+from hpd_sim.traces import load_trace, reshape
 
 POLICIES = ("ours", "least_loaded", "seed", "colocated")
 MOONCAKE_POLICIES = ("ours", "least_loaded", "prefix_only")

@@ -40,7 +40,7 @@ from hetero_pd.v1 import kvbroker_pb2 as k
 from hetero_pd.v1 import kvbroker_pb2_grpc as k_grpc
 from hetero_pd.v1 import registry_pb2 as r
 from hetero_pd.v1 import registry_pb2_grpc as r_grpc
-from hpd_common.embedded_redis import EmbeddedRedis
+from hpd_tools.embedded_redis import EmbeddedRedis
 
 TARGET = 1.3
 GIB = 1 << 30

@@ -39,7 +39,7 @@ from hetero_pd.v1 import diagnostics_pb2 as d  # noqa: E402
 from hetero_pd.v1 import diagnostics_pb2_grpc as d_grpc  # noqa: E402
 from hetero_pd.v1 import registry_pb2 as r  # noqa: E402
 from hetero_pd.v1 import registry_pb2_grpc as r_grpc  # noqa: E402
-from hpd_common.embedded_redis import EmbeddedRedis, free_port  # noqa: E402
+from hpd_tools.embedded_redis import EmbeddedRedis, free_port  # noqa: E402
 
 
 def percentile(values: list[float], q: float) -> float:

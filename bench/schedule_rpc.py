@@ -429,7 +429,7 @@ async def bench_processes(
 ) -> dict[str, Any]:
     """``hpd scheduler --processes N`` on one port (the registry in a child process, the
     client here over ``channels`` connections with a ScheduleStream each)."""
-    from hpd_common.embedded_redis import free_port
+    from hpd_tools.embedded_redis import free_port
 
     prefix = f"benchp{processes}x{os.getpid()}"
     child, ports = await asyncio.to_thread(start_child, redis_url, prefix, "registry")
@@ -470,7 +470,7 @@ async def bench_processes(
 
 
 async def main_async(quick: bool, scaling: bool, sizes: tuple[int, ...] = SIZES) -> dict[str, Any]:
-    from hpd_common.embedded_redis import EmbeddedRedis
+    from hpd_tools.embedded_redis import EmbeddedRedis
 
     total = 1500 if quick else 4000
     results: dict[str, Any] = {}

@@ -23,9 +23,9 @@ import redis.asyncio as aioredis
 
 from hetero_pd.v1 import registry_pb2_grpc as r_grpc
 from hpd_common import redis_conn
-from hpd_common.embedded_redis import EmbeddedRedis
 from hpd_common.logging import configure_logging
 from hpd_common.server import GrpcServer, pin_grpc_aio_runtime
+from hpd_tools.embedded_redis import EmbeddedRedis
 
 configure_logging("warning", json_logs=False)
 

@@ -6,8 +6,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from hpd_common.controlplane import ControlPlane, ControlPlaneSettings
-from hpd_common.embedded_redis import EmbeddedRedis
+from hpd_tools.controlplane import ControlPlane, ControlPlaneSettings
+from hpd_tools.embedded_redis import EmbeddedRedis
 
 
 @pytest.fixture

@@ -32,8 +32,8 @@ from hetero_pd.v1 import scheduler_pb2 as s
 from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
 from hpd_common.auth import ACCESS, READ, Role
 from hpd_common.channels import CallIdentity, aio_channel
-from hpd_common.controlplane import ControlPlane, ControlPlaneSettings
-from hpd_common.embedded_redis import EmbeddedRedis
+from hpd_tools.controlplane import ControlPlane, ControlPlaneSettings
+from hpd_tools.embedded_redis import EmbeddedRedis
 from tests.component.test_registry_api import code_of
 from tests.conftest import external
 from tests.support.fleet import capability, load

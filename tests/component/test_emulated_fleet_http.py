@@ -25,13 +25,13 @@ from hetero_pd.v1 import scheduler_pb2 as s
 from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
 from hpd_agent.engines import parse_metrics
 from hpd_common.clock import SystemClock
-from hpd_common.controlplane import ControlPlane
 from hpd_fleet.demo import wait_fleet_seen
 from hpd_fleet.engine import EmuTime
 from hpd_fleet.engine_http import FleetHttp
 from hpd_fleet.fleet import Fleet
 from hpd_gateway.__main__ import GatewayServer, GatewaySettings
-from hpd_scheduler.sim.cluster import parse_cluster
+from hpd_sim.cluster import parse_cluster
+from hpd_tools.controlplane import ControlPlane
 from tests.conftest import external
 
 pytestmark = [

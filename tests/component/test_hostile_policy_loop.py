@@ -20,7 +20,7 @@ from hetero_pd.v1 import registry_pb2 as r
 from hetero_pd.v1 import registry_pb2_grpc as r_grpc
 from hetero_pd.v1 import scheduler_pb2 as s
 from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
-from hpd_common.controlplane import ControlPlane
+from hpd_tools.controlplane import ControlPlane
 from tests.support.fleet import capability, load
 
 DEEP = "[" * 5000 + "]" * 5000

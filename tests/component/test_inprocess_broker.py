@@ -17,8 +17,8 @@ from hetero_pd.v1 import registry_pb2_grpc as r_grpc
 from hetero_pd.v1 import scheduler_pb2 as s
 from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
 from hpd_common import auth
-from hpd_common.controlplane import ControlPlane, InProcessKvBroker
 from hpd_scheduler.broker_client import SessionRefused
+from hpd_tools.controlplane import ControlPlane, InProcessKvBroker
 from tests.component.test_prefix_routing import _register
 from tests.conftest import external
 

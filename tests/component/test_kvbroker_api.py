@@ -16,9 +16,9 @@ from prometheus_client import REGISTRY
 from hetero_pd.v1 import common_pb2 as c
 from hetero_pd.v1 import kvbroker_pb2 as k
 from hetero_pd.v1 import registry_pb2 as r
-from hpd_common.embedded_redis import EmbeddedRedis
 from hpd_common.errors import InvalidArgument
 from hpd_kvbroker.service import KvBrokerSettings, policy_from
+from hpd_tools.embedded_redis import EmbeddedRedis
 from tests.conftest import RegistryHandle, external
 from tests.support.fleet import capability, kv_format
 from tests.unit.kvbroker.harness import (
@@ -614,7 +614,7 @@ async def test_hpd_sessions_and_hpd_compat_print_tables(
     env: Env, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The operator's views: `hpd sessions` (filters, --limit, JSON) and `hpd compat MODEL`."""
-    from hpd_kvbroker import tables
+    from hpd_tools.tables import kvbroker as tables
 
     for i in range(3):
         await env.stub.OpenSession(open_request(f"cli-{i}", who=SCHED), timeout=5)

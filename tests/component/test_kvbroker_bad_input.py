@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from hetero_pd.v1 import common_pb2 as c
 from hetero_pd.v1 import kvbroker_pb2 as k
-from hpd_common.embedded_redis import EmbeddedRedis
+from hpd_tools.embedded_redis import EmbeddedRedis
 from tests.conftest import RegistryHandle, external
 from tests.support.fleet import kv_format
 from tests.unit.kvbroker.harness import GIB, BrokerHandle, caller, register, start_broker

@@ -26,9 +26,9 @@ from hpd_agent.agent import Agent, AgentTiming
 from hpd_agent.capability import AgentFlags
 from hpd_agent.engines import VllmAdapter
 from hpd_common.clock import SystemClock
-from hpd_common.controlplane import ControlPlane
-from hpd_common.embedded_redis import free_port
 from hpd_scheduler.policy.prefix import chain_hashes
+from hpd_tools.controlplane import ControlPlane
+from hpd_tools.embedded_redis import free_port
 from tests.component.test_registry_api import code_of
 from tests.conftest import external
 from tests.support.fleet import capability, load

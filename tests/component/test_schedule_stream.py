@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from hetero_pd.v1 import scheduler_pb2 as s
-from hpd_common.embedded_redis import EmbeddedRedis
+from hpd_tools.embedded_redis import EmbeddedRedis
 from tests.component.test_scheduler_api import (
     SchedulerHandle,
     hetero_fleet,

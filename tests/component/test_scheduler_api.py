@@ -29,10 +29,10 @@ from hetero_pd.v1 import registry_pb2 as r
 from hetero_pd.v1 import scheduler_pb2 as s
 from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
 from hpd_common import redis_conn
-from hpd_common.embedded_redis import EmbeddedRedis
 from hpd_common.server import GrpcServer
 from hpd_scheduler.service import SchedulerService
 from hpd_scheduler.store import UNREADABLE_EXPLANATION
+from hpd_tools.embedded_redis import EmbeddedRedis
 from tests.conftest import RegistryHandle, external, stop_server
 from tests.support.fleet import capability, load
 

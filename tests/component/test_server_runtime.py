@@ -15,10 +15,10 @@ import pytest
 
 from hetero_pd.v1 import diagnostics_pb2 as d
 from hetero_pd.v1 import diagnostics_pb2_grpc as d_grpc
-from hpd_common.embedded_redis import EmbeddedRedis, free_port
 from hpd_common.errors import InvalidArgument
 from hpd_common.metrics import serve_metrics
 from hpd_common.server import ServerSettings, server_credentials
+from hpd_tools.embedded_redis import EmbeddedRedis, free_port
 from tests.conftest import external, start_registry
 
 pytestmark = [

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from hetero_pd.v1 import scheduler_pb2 as s
-from hpd_common.embedded_redis import EmbeddedRedis
-from hpd_common.traces import load_trace, reshape
 from hpd_fleet.demo import DemoOptions, default_trace_path, main, options_from, parser, run_demo
 from hpd_fleet.faults import Fault
 from hpd_fleet.fleet import default_cluster_path
 from hpd_gateway.service import REPLAN_SUFFIX
+from hpd_sim.traces import load_trace, reshape
+from hpd_tools.embedded_redis import EmbeddedRedis
 
 pytestmark = [pytest.mark.integration, pytest.mark.e2e]
 

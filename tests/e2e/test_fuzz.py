@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hpd_common.embedded_redis import free_port
+from hpd_tools.embedded_redis import free_port
 from tests.support.processes import stop, wait_serving
 
 pytestmark = [pytest.mark.e2e]

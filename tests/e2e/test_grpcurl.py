@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hpd_common.embedded_redis import free_port
+from hpd_tools.embedded_redis import free_port
 from tests.support.fleet import capability
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from hpd_common.embedded_redis import free_port
+from hpd_tools.embedded_redis import free_port
 from tests.e2e.test_grpcurl import GRPCURL
 from tests.support.processes import stop
 

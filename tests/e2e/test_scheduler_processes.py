@@ -20,7 +20,7 @@ import pytest
 from hetero_pd.v1 import common_pb2 as c
 from hetero_pd.v1 import scheduler_pb2 as s
 from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
-from hpd_common.embedded_redis import EmbeddedRedis
+from hpd_tools.embedded_redis import EmbeddedRedis
 from tests.component.test_scheduler_api import register, sched
 from tests.conftest import RegistryHandle, external
 from tests.support.fleet import load
@@ -205,7 +205,7 @@ def test_hpd_up_runs_scheduler_processes_that_open_sessions_with_its_tokens(
     from hetero_pd.v1 import registry_pb2 as r
     from hetero_pd.v1 import registry_pb2_grpc as r_grpc
     from hpd_common.channels import CallIdentity, sync_channel
-    from hpd_common.embedded_redis import free_port as free
+    from hpd_tools.embedded_redis import free_port as free
     from tests.support.fleet import capability
 
     hpd = Path(sys.executable).parent / "hpd"

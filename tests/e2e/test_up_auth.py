@@ -26,7 +26,7 @@ from hetero_pd.v1 import registry_pb2_grpc as r_grpc
 from hetero_pd.v1 import scheduler_pb2 as s
 from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
 from hpd_common.channels import CallIdentity, sync_channel
-from hpd_common.embedded_redis import free_port
+from hpd_tools.embedded_redis import free_port
 from tests.support.fleet import capability, load
 from tests.support.processes import schedule_when_ready, stop, wait_serving
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from hpd_common.embedded_redis import EmbeddedRedis, _is_redis
 from hpd_common.errors import Unavailable
+from hpd_tools.embedded_redis import EmbeddedRedis, _is_redis
 
 pytestmark = [
     pytest.mark.integration,
@@ -33,7 +33,7 @@ def owner_in_child(
         f"""
         import sys, time, redis
         from pathlib import Path
-        from hpd_common.embedded_redis import EmbeddedRedis
+        from hpd_tools.embedded_redis import EmbeddedRedis
         r = EmbeddedRedis(Path({str(state)!r}), die_with_owner={die_with_owner}).start()
         redis.Redis.from_url(r.url).set("acknowledged", "yes")
         print("ready", flush=True)

@@ -17,9 +17,9 @@ from hetero_pd.v1 import kvbroker_pb2 as k
 from hetero_pd.v1 import registry_pb2 as r
 from hetero_pd.v1 import registry_pb2_grpc as r_grpc
 from hpd_common import redis_conn
-from hpd_common.embedded_redis import EmbeddedRedis
 from hpd_common.errors import Unavailable
 from hpd_kvbroker.api import SERVICE_NAME
+from hpd_tools.embedded_redis import EmbeddedRedis
 from tests.conftest import RegistryHandle, start_registry, stop_server
 from tests.unit.kvbroker.harness import (
     GIB,

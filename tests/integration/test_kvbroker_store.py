@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 
 from hpd_common import redis_conn
 from hpd_common.clock import FakeClock
-from hpd_common.embedded_redis import EmbeddedRedis
 from hpd_common.kvformat import ConversionStep, Negotiation, Verdict
 from hpd_kvbroker.domain import (
     BROKER,
@@ -36,6 +35,7 @@ from hpd_kvbroker.service import KvBrokerService, KvBrokerSettings
 from hpd_kvbroker.store import SESSION_FIELDS, OpenArgs, SessionStore, decode_session
 from hpd_registry.keys import RegistryKeys
 from hpd_registry.store import credential_hash
+from hpd_tools.embedded_redis import EmbeddedRedis
 
 pytestmark = pytest.mark.integration
 

@@ -17,7 +17,7 @@ from hetero_pd.v1 import registry_pb2 as r
 from hetero_pd.v1 import scheduler_pb2 as s
 from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
 from hpd_common import metrics
-from hpd_common.embedded_redis import EmbeddedRedis
+from hpd_tools.embedded_redis import EmbeddedRedis
 from tests.component.test_scheduler_api import (
     IDLE,
     SchedulerHandle,

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from hpd_common import metrics
-from hpd_common.embedded_redis import EmbeddedRedis
 from hpd_common.redis_conn import STORE_DOWN, HpdRedis, NotReplicated, connect
+from hpd_tools.embedded_redis import EmbeddedRedis
 from tests.support.replication import plain, start_pair, wait_synced
 
 pytestmark = [pytest.mark.integration]

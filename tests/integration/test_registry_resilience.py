@@ -20,7 +20,7 @@ from redis.exceptions import RedisError
 from hetero_pd.v1 import common_pb2 as c
 from hetero_pd.v1 import registry_pb2 as r
 from hetero_pd.v1 import registry_pb2_grpc as r_grpc
-from hpd_common.embedded_redis import EmbeddedRedis, free_port
+from hpd_tools.embedded_redis import EmbeddedRedis, free_port
 from tests.conftest import external
 from tests.support.fleet import capability
 from tests.support.watch import EventReader

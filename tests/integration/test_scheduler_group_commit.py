@@ -15,7 +15,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hpd_common import redis_conn
-from hpd_common.embedded_redis import EmbeddedRedis
 from hpd_scheduler.group_commit import GroupCommit, GroupCommitSettings
 from hpd_scheduler.keys import SchedulerKeys
 from hpd_scheduler.store import (
@@ -25,6 +24,7 @@ from hpd_scheduler.store import (
     ReserveStatus,
     SchedulerStore,
 )
+from hpd_tools.embedded_redis import EmbeddedRedis
 
 pytestmark = pytest.mark.integration
 

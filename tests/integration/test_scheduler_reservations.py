@@ -26,8 +26,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hetero_pd.v1 import common_pb2 as c
 from hetero_pd.v1 import scheduler_pb2 as s
 from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
-from hpd_common.embedded_redis import EmbeddedRedis
 from hpd_scheduler.keys import SchedulerKeys
+from hpd_tools.embedded_redis import EmbeddedRedis
 from tests.component.test_scheduler_api import (
     SchedulerHandle,
     own_scheduler,

@@ -11,8 +11,8 @@ import pytest
 
 from hetero_pd.v1 import common_pb2 as c
 from hpd_common import redis_conn
-from hpd_common.embedded_redis import EmbeddedRedis
 from hpd_common.server import GrpcServer
+from hpd_tools.embedded_redis import EmbeddedRedis
 from tests.component.test_scheduler_api import (
     SchedulerHandle,
     register,

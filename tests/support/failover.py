@@ -32,8 +32,8 @@ from hetero_pd.v1 import registry_pb2 as r
 from hetero_pd.v1 import registry_pb2_grpc as r_grpc
 from hetero_pd.v1 import scheduler_pb2 as s
 from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
-from hpd_common.embedded_redis import EmbeddedRedis, EmbeddedSentinel, free_port
 from hpd_scheduler.keys import SchedulerKeys
+from hpd_tools.embedded_redis import EmbeddedRedis, EmbeddedSentinel, free_port
 from tests.support.fleet import capability, load
 from tests.support.processes import stop, wait_serving
 from tests.support.replication import plain, start_pair, wait_synced

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
-from hpd_common.embedded_redis import EmbeddedRedis
+from hpd_tools.embedded_redis import EmbeddedRedis
 
 
 def start_pair(folder: Path, persist: bool) -> tuple[EmbeddedRedis, EmbeddedRedis]:

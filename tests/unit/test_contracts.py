@@ -57,10 +57,11 @@ def test_pure_modules_import_no_grpc_protobuf_or_redis(path: Path) -> None:
 
 
 # Modules that sit at the gRPC edge: servicers, proto conversion, bootstrap, and gRPC
-# clients (`*_client.py`, the informer, the CLI tables; the emulated fleet and gateway
-# package, which is a client of all three services; the engine agent's runtime, which
-# speaks gRPC to the registry for its engine).
-EDGE_PACKAGES = {"hpd_fleet"}
+# clients (`*_client.py`, the informer; the tools, `hpd_tools` with the CLI tables and
+# operator commands and `hpd_fleet` with the emulated fleet, which are clients of all
+# three services; the engine agent's runtime, which speaks gRPC to the registry for its
+# engine).
+EDGE_PACKAGES = {"hpd_fleet", "hpd_tools"}
 EDGE = {
     "api.py",
     "convert.py",
@@ -68,14 +69,12 @@ EDGE = {
     "rpc.py",
     "diagnostics.py",
     "informer.py",
-    "tables.py",
     "client.py",
     "grpc_client.py",
     "agent.py",
     "control_client.py",
     "auth.py",  # the servers' token check (an interceptor)
     "channels.py",  # every client channel, with its identity
-    "admin.py",  # the operator commands (a registry client)
 }
 
 

@@ -12,7 +12,7 @@ import grpc
 from hetero_pd.v1 import common_pb2 as c
 from hetero_pd.v1 import registry_pb2 as r
 from hetero_pd.v1 import registry_pb2_grpc as r_grpc
-from hpd_common.informer import FleetInformer
+from hpd_registry.informer import FleetInformer
 from tests.support.fleet import capability
 
 T = r.WatchEventType

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hpd_common.traces import Trace, TraceError, TraceRequest, load_trace, reshape
+from hpd_sim.traces import Trace, TraceError, TraceRequest, load_trace, reshape
 
 DATA = Path(__file__).resolve().parents[2] / "data" / "traces"
 

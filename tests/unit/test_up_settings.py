@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from hpd_common.errors import InvalidArgument
-from hpd_common.up import parse
+from hpd_tools.up import parse
 
 
 def test_flags_win_over_the_environment_which_wins_over_the_file(tmp_path: Path) -> None:

@@ -22,9 +22,9 @@ from hetero_pd.v1 import kvbroker_pb2_grpc as kb_grpc
 from hetero_pd.v1 import scheduler_pb2 as s
 from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
 from hpd_common.channels import CallIdentity, aio_channel
-from hpd_common.informer import CLIENT_OPTIONS, FleetInformer
 from hpd_common.logging import get_logger
 from hpd_registry.domain import Stage
+from hpd_registry.informer import CLIENT_OPTIONS, FleetInformer
 
 from .plan import RECOMPUTE, SAME_POOL, TRANSFER, Outcome, Plan, Step
 from .protocol import GatewayError

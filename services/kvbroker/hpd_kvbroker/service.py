@@ -39,7 +39,6 @@ from hpd_common.errors import (
     PermissionDenied,
     Unavailable,
 )
-from hpd_common.informer import FleetChange, FleetInformer
 from hpd_common.kvformat import (
     KvFormat,
     KvFormatError,
@@ -69,6 +68,7 @@ from hpd_kvbroker.keys import KvKeys
 from hpd_kvbroker.matrix import CompatibilityMatrix, MatrixView
 from hpd_kvbroker.store import OpenArgs, Result, SessionStore, SweepResult, decode_session
 from hpd_registry.domain import WorkerRecord, check_id
+from hpd_registry.informer import FleetChange, FleetInformer
 from hpd_registry.keys import RegistryKeys
 from hpd_registry.store import RegistryStore, credential_hash
 

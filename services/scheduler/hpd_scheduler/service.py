@@ -61,12 +61,12 @@ from hpd_common.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from hpd_common.informer import FleetChange, FleetInformer
 from hpd_common.logging import get_logger
 from hpd_common.redis_conn import refuse_when_full
 from hpd_common.server import ServerSettings
 from hpd_common.yamlsafe import YamlLimitError, load_bounded
 from hpd_registry.domain import Directive, DirectiveKind, WorkerRecord
+from hpd_registry.informer import FleetChange, FleetInformer
 from hpd_registry.keys import RegistryKeys
 from hpd_scheduler import metrics
 from hpd_scheduler.broker_client import KvSessionOpener, NoKvBroker, SessionRefused

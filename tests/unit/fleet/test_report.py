@@ -12,7 +12,7 @@ from hetero_pd.v1 import scheduler_pb2 as s
 from hpd_fleet.demo import reconcile
 from hpd_fleet.gateway import RequestRecord, reject_reason
 from hpd_fleet.report import build_report, format_report
-from hpd_scheduler.sim.metrics import Slo
+from hpd_sim.metrics import Slo
 
 
 def rec(i: int, tier: str = "standard", status: str = "completed", **kw: Any) -> RequestRecord:

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from hpd_common.embedded_redis import free_port
 from hpd_scheduler.broker_client import GrpcKvBroker, SessionRefused
+from hpd_tools.embedded_redis import free_port
 
 
 def test_client_made_outside_the_loop_works_inside_it() -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hpd_scheduler.sim.cli import main
+from hpd_sim.cli import main
 
 
 def test_json_run_of_two_policies(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from hpd_scheduler.policy import Fleet, Mode, Planner, Request, Stage, builtin_profile
-from hpd_scheduler.sim import ClusterError, load_cluster, parse_cluster
+from hpd_sim import ClusterError, load_cluster, parse_cluster
 
 
 def _doc(**over: Any) -> dict[str, Any]:

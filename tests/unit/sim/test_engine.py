@@ -9,9 +9,9 @@ import pytest
 
 from hpd_common import perfmodel
 from hpd_common.gpus import gpu_profile
-from hpd_common.traces import TraceRequest
 from hpd_scheduler.policy import builtin_profile
-from hpd_scheduler.sim import ClusterSpec, SimConfig, load_cluster, parse_cluster, simulate
+from hpd_sim import ClusterSpec, SimConfig, load_cluster, parse_cluster, simulate
+from hpd_sim.traces import TraceRequest
 
 MODEL = perfmodel.model_spec("llama-3-8b")
 BPT = MODEL.kv_format().bytes_per_token()  # 131,072 B per token

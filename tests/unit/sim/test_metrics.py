@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hpd_common.traces import TraceRequest
-from hpd_scheduler.sim import RequestOutcome, Slo, load_cluster, percentile, tbt_ms
-from hpd_scheduler.sim.goodput import fluid_bound, search_goodput
+from hpd_sim import RequestOutcome, Slo, load_cluster, percentile, tbt_ms
+from hpd_sim.goodput import fluid_bound, search_goodput
+from hpd_sim.traces import TraceRequest
 
 
 @pytest.mark.parametrize(

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hpd_common.traces import reshape
 from hpd_scheduler.policy import builtin_profile
-from hpd_scheduler.sim import SimConfig, attainment, load_cluster, simulate
-from hpd_scheduler.sim.goodput import fluid_bound
-from hpd_scheduler.sim.suite import WORKLOADS, cluster_path, load_workload
+from hpd_sim import SimConfig, attainment, load_cluster, simulate
+from hpd_sim.goodput import fluid_bound
+from hpd_sim.suite import WORKLOADS, cluster_path, load_workload
+from hpd_sim.traces import reshape
 
 DEFAULT = builtin_profile("default")
 assert DEFAULT.slo_objective is not None

@@ -8,8 +8,8 @@ import statistics
 
 import pytest
 
-from hpd_scheduler.sim import load_cluster
-from hpd_scheduler.sim.suite import (
+from hpd_sim import load_cluster
+from hpd_sim.suite import (
     CLUSTERS,
     WORKLOADS,
     Cell,
@@ -18,7 +18,7 @@ from hpd_scheduler.sim.suite import (
     run_cell,
     summarise,
 )
-from hpd_scheduler.sim.workloads import SYNTHETIC, synthetic_trace
+from hpd_sim.workloads import SYNTHETIC, synthetic_trace
 
 
 @pytest.mark.parametrize("name", sorted(SYNTHETIC))

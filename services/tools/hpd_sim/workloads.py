@@ -2,7 +2,7 @@
 differs from the recorded traces in the one way each names, so that a policy is judged on
 traffic it was not tuned on (``bench/goodput.py --suite``, ``hpd sim --trace synthetic:NAME``).
 
-Every generator returns a :class:`~hpd_common.traces.Trace` of ``n`` requests at a mean rate
+Every generator returns a :class:`~hpd_sim.traces.Trace` of ``n`` requests at a mean rate
 of 1 request/s (so a goodput search's rate scale reads as requests/s), reproducible from
 ``seed``. Token counts are log-normal (median ``m``, shape ``sigma``), clipped to
 ``[lo, hi]``:
@@ -34,7 +34,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hpd_common.traces import Trace, TraceRequest
+from hpd_sim.traces import Trace, TraceRequest
 
 __all__ = ["SYNTHETIC", "Shape", "synthetic_trace"]
 

@@ -55,7 +55,7 @@ from hetero_pd.v1 import scheduler_pb2 as s
 from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
 from hpd_agent.worker_client import SessionEnded, WorkerGone
 from hpd_common.logging import get_logger
-from hpd_common.traces import Trace, TraceRequest
+from hpd_sim.traces import Trace, TraceRequest
 
 from .engine import EmuTime, WorkerLost
 from .fleet import EmulatedWorker, Fleet

@@ -44,13 +44,13 @@ from hetero_pd.v1 import scheduler_pb2 as s
 from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
 from hpd_agent.worker_client import ClientTiming
 from hpd_common.clock import SystemClock
-from hpd_common.controlplane import ControlPlane, ControlPlaneSettings
-from hpd_common.embedded_redis import EmbeddedRedis
 from hpd_common.logging import configure_logging, get_logger
-from hpd_common.traces import Trace, load_trace, reshape
 from hpd_gateway.service import REPLAN_SUFFIX
-from hpd_scheduler.sim.cluster import ClusterSpec, load_cluster
-from hpd_scheduler.sim.metrics import Slo
+from hpd_sim.cluster import ClusterSpec, load_cluster
+from hpd_sim.metrics import Slo
+from hpd_sim.traces import Trace, load_trace, reshape
+from hpd_tools.controlplane import ControlPlane, ControlPlaneSettings
+from hpd_tools.embedded_redis import EmbeddedRedis
 
 from .engine import EmuTime
 from .engine_http import FleetHttp

@@ -43,7 +43,7 @@ from hpd_common import perfmodel
 from hpd_common.gpus import GpuProfile
 from hpd_common.kvformat import KvDtype
 from hpd_registry.domain import LoadReport
-from hpd_scheduler.sim.metrics import percentile
+from hpd_sim.metrics import percentile
 
 __all__ = [
     "DecodeResult",

@@ -21,31 +21,37 @@ from hpd_common.errors import HpdError, InvalidArgument
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("hpd_fleet.demo", "control plane + emulated heterogeneous fleet + trace replay"),
-    "up": ("hpd_common.up", "run the whole control plane on this machine"),
+    "up": ("hpd_tools.up", "run the whole control plane on this machine"),
     "registry": ("hpd_registry.__main__", "run the registry service"),
     "scheduler": ("hpd_scheduler.__main__", "run the scheduler service"),
     "kvbroker": ("hpd_kvbroker.__main__", "run the KV broker service"),
     "agent": ("hpd_agent.__main__", "attach one running engine (vLLM, SGLang) to the fleet"),
     "gateway": ("hpd_gateway.__main__", "the OpenAI-compatible front door over the engines"),
-    "sim": ("hpd_scheduler.sim.cli", "simulate a cluster under scheduling policies"),
-    "workers": ("hpd_common.tables", "print the workers of a running registry"),
-    "pools": ("hpd_common.tables", "print the pools of a running registry"),
-    "watch": ("hpd_common.tables", "follow the registry's change feed (--kind put,delete,...)"),
-    "sessions": ("hpd_kvbroker.tables", "print the KV transfer sessions of a running broker"),
-    "compat": ("hpd_kvbroker.tables", "print the prefill x decode KV compatibility of a model"),
-    "routes": ("hpd_scheduler.tables", "print recent route records of a running scheduler"),
-    "drain": ("hpd_common.admin", "drain a worker: no new work, then it leaves (operator)"),
-    "cordon": ("hpd_common.admin", "cordon a worker: no new work, stays registered (operator)"),
-    "uncordon": ("hpd_common.admin", "clear a worker's cordon and drain (operator)"),
-    "deregister": ("hpd_common.admin", "take a worker out of the fleet now (operator)"),
-    "token": ("hpd_common.admin", "print a role's token from `hpd up --auth`"),
-    "certs": ("hpd_common.tlsgen", "make a throwaway CA, certificates and an mTLS tokens file"),
+    "sim": ("hpd_sim.cli", "simulate a cluster under scheduling policies"),
+    "workers": ("hpd_tools.tables.registry", "print the workers of a running registry"),
+    "pools": ("hpd_tools.tables.registry", "print the pools of a running registry"),
+    "watch": (
+        "hpd_tools.tables.registry",
+        "follow the registry's change feed (--kind put,delete,...)",
+    ),
+    "sessions": ("hpd_tools.tables.kvbroker", "print the KV transfer sessions of a running broker"),
+    "compat": (
+        "hpd_tools.tables.kvbroker",
+        "print the prefill x decode KV compatibility of a model",
+    ),
+    "routes": ("hpd_tools.tables.scheduler", "print recent route records of a running scheduler"),
+    "drain": ("hpd_tools.admin", "drain a worker: no new work, then it leaves (operator)"),
+    "cordon": ("hpd_tools.admin", "cordon a worker: no new work, stays registered (operator)"),
+    "uncordon": ("hpd_tools.admin", "clear a worker's cordon and drain (operator)"),
+    "deregister": ("hpd_tools.admin", "take a worker out of the fleet now (operator)"),
+    "token": ("hpd_tools.admin", "print a role's token from `hpd up --auth`"),
+    "certs": ("hpd_tools.tlsgen", "make a throwaway CA, certificates and an mTLS tokens file"),
     "native": ("hpd_common.native", "compile the policy core with mypyc, or show its status"),
     "fuzz": ("hpd_fleet.fuzz", "mutation-fuzz every RPC of a running control plane"),
 }
 
 # Table commands receive their own name first (one module serves several tables).
-TABLE_MODULES = {"hpd_common.tables", "hpd_kvbroker.tables", "hpd_common.admin"}
+TABLE_MODULES = {"hpd_tools.tables.registry", "hpd_tools.tables.kvbroker", "hpd_tools.admin"}
 
 
 def usage() -> str:

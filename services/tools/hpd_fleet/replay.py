@@ -38,8 +38,8 @@ import grpc
 from hetero_pd.v1 import scheduler_pb2 as s
 from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
 from hpd_common.logging import get_logger
-from hpd_common.traces import Trace, TraceRequest
 from hpd_gateway.service import REPLAN_SUFFIX
+from hpd_sim.traces import Trace, TraceRequest
 
 from .engine import EmuTime
 from .gateway import MODE_NAMES, GatewayConfig, Replay, RequestRecord

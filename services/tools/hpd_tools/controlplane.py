@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
 from hpd_common import auth, redis_conn
-from hpd_common.embedded_redis import free_port
 from hpd_common.logging import get_logger
 from hpd_common.server import GrpcServer
+from hpd_tools.embedded_redis import free_port
 
 __all__ = ["ControlPlane", "ControlPlaneSettings", "InProcessKvBroker"]
 
@@ -61,7 +61,7 @@ class ControlPlaneSettings:
     auth_tokens_file: str = ""
     auth_open_reads: bool = True
     service_token: str = ""
-    # mutual TLS (hpd_common.tlsgen makes a throwaway set): every server presents
+    # mutual TLS (hpd_tools.tlsgen makes a throwaway set): every server presents
     # server_cert and asks clients for a certificate of ca; every client trusts ca and
     # presents client_cert ('' = plaintext)
     tls_ca_file: str = ""

@@ -1,6 +1,6 @@
 """The demo's report: per tier and overall, from the gateway's request records.
 
-Definitions (the simulator's, ``hpd_scheduler.sim.metrics``, whose percentile this uses):
+Definitions (the simulator's, ``hpd_sim.metrics``, whose percentile this uses):
 
 * TTFT, TPOT: emulated ms as the gateway measured them; percentiles are nearest-rank over
   the *completed* requests of the tier.
@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hpd_scheduler.sim.metrics import Slo, percentile
+from hpd_sim.metrics import Slo, percentile
 
 from .gateway import RequestRecord
 

@@ -19,7 +19,7 @@ from google.protobuf.json_format import MessageToDict
 from hetero_pd.v1 import kvbroker_pb2 as k
 from hetero_pd.v1 import kvbroker_pb2_grpc as k_grpc
 from hpd_common.channels import CallIdentity, sync_channel
-from hpd_common.tables import render
+from hpd_tools.tables import render
 
 SESSION_HEADERS = [
     "SESSION",

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from hpd_common.traces import Trace, load_trace, reshape
+from hpd_sim.traces import Trace, load_trace, reshape
 
 from .cluster import ClusterError, ClusterSpec, default_cluster_path, load_cluster
 from .engine import SimConfig

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpd_common.traces import Trace, reshape
 from hpd_scheduler.policy import Profile, builtin_profile, builtin_profile_names, load_profile
+from hpd_sim.traces import Trace, reshape
 
 from .cluster import ClusterSpec
 from .engine import SimConfig, simulate

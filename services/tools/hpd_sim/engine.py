@@ -68,7 +68,6 @@ from dataclasses import dataclass, field
 from hpd_common import perfmodel
 from hpd_common.gpus import GpuProfile
 from hpd_common.kvformat import GIB, negotiate
-from hpd_common.traces import TraceRequest
 from hpd_scheduler.policy import (
     DecisionKind,
     Fleet,
@@ -82,8 +81,9 @@ from hpd_scheduler.policy import (
     WorkerView,
     apply_reservations,
 )
+from hpd_scheduler.policy.prefix import PrefixIndex, cached_tokens
+from hpd_sim.traces import TraceRequest
 
-from ..policy.prefix import PrefixIndex, cached_tokens
 from .cluster import ClusterSpec
 
 __all__ = ["RequestOutcome", "SimConfig", "SimResult", "Simulator", "simulate", "tbt_ms"]
@@ -775,5 +775,5 @@ def simulate(
     on_progress: Callable[[int, int], None] | None = None,
 ) -> SimResult:
     """Run one simulation; ``requests`` are used as given (rate-scale them beforehand with
-    ``hpd_common.traces.reshape``; ``rate_scale`` is only recorded in the result)."""
+    ``hpd_sim.traces.reshape``; ``rate_scale`` is only recorded in the result)."""
     return Simulator(cluster, profile, requests, config, on_progress).run(rate_scale)

@@ -19,13 +19,13 @@ from typing import Any
 import yaml
 
 from hpd_common import auth
-from hpd_common.controlplane import ControlPlane, ControlPlaneSettings
-from hpd_common.embedded_redis import EmbeddedRedis
 from hpd_common.errors import InvalidArgument
 from hpd_common.logging import configure_logging, get_logger
 from hpd_common.metrics import serve_metrics
 from hpd_common.server import freeze_startup_heap
 from hpd_common.settings import coerce
+from hpd_tools.controlplane import ControlPlane, ControlPlaneSettings
+from hpd_tools.embedded_redis import EmbeddedRedis
 
 log = get_logger("up")
 
@@ -106,7 +106,7 @@ def _auth(args: argparse.Namespace) -> tuple[str, str]:
     elif args.auth:
         path = Path(args.state_dir).resolve() / "tokens.yaml"
         if not path.exists():
-            from hpd_common.tlsgen import role_cert_names
+            from hpd_tools.tlsgen import role_cert_names
 
             # the role certificates `--tls` makes (tls/role-<role>.pem) identify callers too
             auth.write_tokens_file(path, cert_names=role_cert_names())
@@ -131,7 +131,7 @@ async def _serve(args: argparse.Namespace, redis_url: str) -> None:
     tokens_file, service_token = _auth(args)
     tls: dict[str, str] = {}
     if args.tls:
-        from hpd_common.tlsgen import ensure_pki
+        from hpd_tools.tlsgen import ensure_pki
 
         pki = await asyncio.to_thread(ensure_pki, Path(args.state_dir) / "tls", [args.host])
         tls = {

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpd_common.traces import Trace, load_trace, reshape
+from hpd_sim.traces import Trace, load_trace, reshape
 
 from .cluster import default_cluster_path, load_cluster
 from .engine import SimConfig

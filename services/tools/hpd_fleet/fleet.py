@@ -2,7 +2,7 @@
 :class:`~hpd_fleet.engine.EmulatedEngine` joined to the control plane by its own
 :class:`~hpd_agent.worker_client.WorkerClient`.
 
-The fleet is described by the simulator's cluster document (``hpd_scheduler.sim.cluster``:
+The fleet is described by the simulator's cluster document (``hpd_sim.cluster``:
 pools of GPUs with TP, stage, zone/rack, KV format, link classes), so the demo, the emulated
 fleet and the simulator speak of the same clusters. Worker ids are ``<prefix><pool>-<n>``.
 
@@ -38,7 +38,7 @@ from hpd_common.gpus import gpu_profile
 from hpd_common.logging import get_logger
 from hpd_registry.convert import kv_format_to_pb
 from hpd_scheduler.policy import Link, Stage, WorkerView
-from hpd_scheduler.sim.cluster import ClusterSpec, load_cluster
+from hpd_sim.cluster import ClusterSpec, load_cluster
 
 from .engine import EmulatedEngine, EmuTime, EngineSpec
 

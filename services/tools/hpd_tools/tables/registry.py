@@ -17,29 +17,7 @@ from hetero_pd.v1 import common_pb2 as c
 from hetero_pd.v1 import registry_pb2 as r
 from hetero_pd.v1 import registry_pb2_grpc as r_grpc
 from hpd_common.channels import CallIdentity, sync_channel
-
-
-def render(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """Left-aligned columns separated by three spaces."""
-    widths = [len(h) for h in headers]
-    for row in rows:
-        widths = [max(w, len(cell)) for w, cell in zip(widths, row, strict=True)]
-    lines = ["   ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
-    lines += [
-        "   ".join(x.ljust(w) for x, w in zip(row, widths, strict=True)).rstrip() for row in rows
-    ]
-    return "\n".join(lines)
-
-
-def _age(ms: int, now_ms: int) -> str:
-    if not ms:
-        return "-"
-    s = max(0, (now_ms - ms) // 1000)
-    if s < 120:
-        return f"{s}s"
-    if s < 7200:
-        return f"{s // 60}m"
-    return f"{s // 3600}h"
+from hpd_tools.tables import age, render
 
 
 def _gib(n: int) -> str:
@@ -68,7 +46,7 @@ def worker_rows(workers: Sequence[c.Worker], now_ms: int) -> list[list[str]]:
             str(cap.tp_size), _health(st.health),
             str(load.queue_depth) if load else "-",
             f"{load.batch_size}/{cap.max_batch_size}" if load else f"-/{cap.max_batch_size}",
-            kv, _age(st.last_heartbeat_unix_ms, now_ms), _age(st.registered_at_unix_ms, now_ms),
+            kv, age(st.last_heartbeat_unix_ms, now_ms), age(st.registered_at_unix_ms, now_ms),
         ])  # fmt: skip
     return rows
 

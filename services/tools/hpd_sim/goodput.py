@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hpd_common import perfmodel
-from hpd_common.traces import TraceRequest
 from hpd_scheduler.policy import Stage
+from hpd_sim.traces import TraceRequest
 
 from .cluster import ClusterSpec
 

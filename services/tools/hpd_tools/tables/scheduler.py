@@ -15,21 +15,12 @@ from google.protobuf.json_format import MessageToDict
 from hetero_pd.v1 import scheduler_pb2 as s
 from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
 from hpd_common.channels import CallIdentity, sync_channel
-from hpd_common.tables import render
+from hpd_tools.tables import age, render
 
 HEADERS = [
     "REQUEST", "AGE", "MODEL", "TIER", "DECISION", "MODE", "PREFILL", "DECODE",
     "EST-TTFT", "ACTION", "OUTCOME",
 ]  # fmt: skip
-
-
-def _age(ms: int, now_ms: int) -> str:
-    sec = max(0, (now_ms - ms) // 1000)
-    if sec < 120:
-        return f"{sec}s"
-    if sec < 7200:
-        return f"{sec // 60}m"
-    return f"{sec // 3600}h"
 
 
 def _enum(value: int, enum: object, prefix: str) -> str:
@@ -48,7 +39,7 @@ def rows(records: Sequence[s.RouteRecord], now_ms: int) -> list[list[str]]:
         elif rec.decision == s.ROUTE_DECISION_REJECT:
             outcome = rec.reject_class or "rejected"
         out.append([
-            rec.request_id, _age(rec.created_at_unix_ms, now_ms), rec.model_id, rec.tier,
+            rec.request_id, age(rec.created_at_unix_ms, now_ms), rec.model_id, rec.tier,
             _enum(rec.decision, s.RouteDecision, "ROUTE_DECISION_"),
             _enum(plan.mode, s.ExecutionMode, "EXECUTION_MODE_") if plan else "-",
             plan.prefill_worker_id if plan else "-", plan.decode_worker_id if plan else "-",
