@@ -30,6 +30,21 @@ from hpd_tools.embedded_redis import EmbeddedRedis
 configure_logging("warning", json_logs=False)
 
 
+TESTS = Path(__file__).resolve().parent
+KINDS = ("unit", "component", "integration", "e2e", "compose", "real_engine")
+"""One marker per kind of test, named after the folder the kind lives in (pyproject.toml
+describes each): ``pytest -m component`` runs the component tests, ``-m "not e2e"`` skips
+the process-starting ones."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    del config
+    for item in items:
+        parts = item.path.resolve().relative_to(TESTS).parts
+        if parts and parts[0] in KINDS:
+            item.add_marker(getattr(pytest.mark, parts[0]))
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Pin gRPC's asyncio runtime for the session (see ``pin_grpc_aio_runtime``): tests free
     their servers and channels, and without the pin each would cross the runtime's teardown,

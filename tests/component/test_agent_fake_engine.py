@@ -27,7 +27,6 @@ from tests.conftest import external, stop_server
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "engines" / "vllm"
 pytestmark = [
-    pytest.mark.integration,
     pytest.mark.skipif(external("registry") is not None, reason="starts its own servers"),
 ]
 

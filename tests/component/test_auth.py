@@ -39,7 +39,6 @@ from tests.conftest import external
 from tests.support.fleet import capability, load
 
 pytestmark = [
-    pytest.mark.integration,
     pytest.mark.skipif(external("registry") is not None, reason="starts its own servers"),
 ]
 

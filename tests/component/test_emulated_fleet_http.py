@@ -35,7 +35,6 @@ from hpd_tools.controlplane import ControlPlane
 from tests.conftest import external
 
 pytestmark = [
-    pytest.mark.integration,
     pytest.mark.skipif(external("registry") is not None, reason="starts its own servers"),
 ]
 

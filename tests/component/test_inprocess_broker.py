@@ -23,7 +23,6 @@ from tests.component.test_prefix_routing import _register
 from tests.conftest import external
 
 pytestmark = [
-    pytest.mark.integration,
     pytest.mark.skipif(external("registry") is not None, reason="starts its own servers"),
 ]
 

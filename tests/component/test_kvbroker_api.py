@@ -33,7 +33,6 @@ from tests.unit.kvbroker.harness import (
 # These start their own broker over the suite's Redis; against a compose stack (whose
 # registry keeps its credentials in the stack's Redis) the stack's own suite covers it.
 pytestmark = [
-    pytest.mark.integration,
     pytest.mark.skipif(external("registry") is not None, reason="starts its own broker"),
 ]
 

@@ -22,7 +22,6 @@ from tests.unit.kvbroker.harness import GIB, BrokerHandle, caller, register, sta
 # These start their own broker over the suite's Redis; against a compose stack (whose
 # registry keeps its credentials in the stack's Redis) the stack's own suite covers it.
 pytestmark = [
-    pytest.mark.integration,
     pytest.mark.skipif(external("registry") is not None, reason="starts its own broker"),
 ]
 

@@ -20,8 +20,6 @@ from hpd_registry.api import RegistryComponent
 from tests.conftest import RegistryHandle, external
 from tests.support.fleet import capability, load
 
-pytestmark = pytest.mark.integration
-
 
 async def register(reg: RegistryHandle, wid: str, **kw: Any) -> r.RegisterWorkerResponse:
     ttl = kw.pop("lease_ttl_ms", 0)

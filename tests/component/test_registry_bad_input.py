@@ -18,8 +18,6 @@ from hpd_common import metrics
 from tests.conftest import RegistryHandle, external
 from tests.support.fleet import capability, load
 
-pytestmark = pytest.mark.integration
-
 Mutator = Callable[[c.WorkerCapability], None]
 
 

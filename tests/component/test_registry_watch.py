@@ -18,7 +18,6 @@ from tests.conftest import RegistryHandle, external, start_registry, stop_server
 from tests.support.fleet import capability, load
 from tests.support.watch import EventReader
 
-pytestmark = pytest.mark.integration
 T = r.WatchEventType
 
 

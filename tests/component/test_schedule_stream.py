@@ -23,7 +23,6 @@ from tests.component.test_scheduler_api import (
 from tests.conftest import RegistryHandle, external
 
 pytestmark = [
-    pytest.mark.integration,
     pytest.mark.skipif(external("registry") is not None, reason="needs an isolated fleet"),
 ]
 __all__ = ["scheduler"]  # the fixture, re-exported for pytest

@@ -39,7 +39,6 @@ from tests.support.fleet import capability, load
 # The explainable-choice tests need a fleet of their own: a shared registry (the compose
 # suite's) holds other tests' workers of the same model, which would change the choices.
 pytestmark = [
-    pytest.mark.integration,
     pytest.mark.skipif(external("registry") is not None, reason="needs an isolated fleet"),
 ]
 

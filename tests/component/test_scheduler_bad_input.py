@@ -19,8 +19,6 @@ from tests.component.test_scheduler_api import (
 )
 from tests.component.test_scheduler_api import scheduler as scheduler
 
-pytestmark = pytest.mark.integration
-
 GOOD: dict[str, Any] = {
     "request_id": "bad-1",
     "model_id": "llama-3-8b",

@@ -22,7 +22,6 @@ from hpd_tools.embedded_redis import EmbeddedRedis, free_port
 from tests.conftest import external, start_registry
 
 pytestmark = [
-    pytest.mark.integration,
     pytest.mark.skipif(external("registry") is not None, reason="starts its own servers"),
     pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl to make certs"),
 ]

@@ -15,10 +15,8 @@ from tests.compose.stack import CLIENT_OPTIONS, Stack, enabled
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip = pytest.mark.skip(reason="needs the compose stack (scripts/compose-e2e.sh)")
     for item in items:
-        if "tests/compose/" in item.nodeid.replace("\\", "/"):
-            item.add_marker(pytest.mark.compose)
-            if not enabled():
-                item.add_marker(skip)
+        if "tests/compose/" in item.nodeid.replace("\\", "/") and not enabled():
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

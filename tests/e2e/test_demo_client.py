@@ -19,8 +19,6 @@ from hpd_registry.domain import LoadReport
 from tests.conftest import RegistryHandle
 from tests.support.fleet import capability
 
-pytestmark = pytest.mark.integration
-
 
 async def until(cond: Callable[[], Awaitable[bool]], timeout_s: float = 5.0) -> None:
     deadline = time.monotonic() + timeout_s

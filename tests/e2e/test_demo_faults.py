@@ -8,8 +8,6 @@ import io
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from hetero_pd.v1 import kvbroker_pb2 as kb
 from hetero_pd.v1 import scheduler_pb2 as s
 from hpd_agent.worker_client import TERMINAL_STATES
@@ -18,8 +16,6 @@ from hpd_fleet.faults import Fault
 from hpd_fleet.gateway import MODE_NAMES
 from hpd_tools.embedded_redis import EmbeddedRedis
 from tests.e2e.test_demo_replay import options
-
-pytestmark = [pytest.mark.integration, pytest.mark.e2e]
 
 
 async def replay(redis: EmbeddedRedis, prefix: str, **kw: Any) -> DemoResult:

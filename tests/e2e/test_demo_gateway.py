@@ -19,8 +19,6 @@ from hpd_gateway.service import REPLAN_SUFFIX
 from hpd_sim.traces import load_trace, reshape
 from hpd_tools.embedded_redis import EmbeddedRedis
 
-pytestmark = [pytest.mark.integration, pytest.mark.e2e]
-
 RATE, DURATION_S = 0.5, 12.0
 
 

@@ -22,8 +22,6 @@ from hpd_fleet.fleet import default_cluster_path
 from hpd_sim.traces import load_trace, reshape
 from hpd_tools.embedded_redis import EmbeddedRedis
 
-pytestmark = [pytest.mark.integration, pytest.mark.e2e]
-
 
 def options(prefix: str, **kw: Any) -> DemoOptions:
     base: dict[str, Any] = {

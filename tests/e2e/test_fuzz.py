@@ -17,7 +17,6 @@ import pytest
 from hpd_tools.embedded_redis import free_port
 from tests.support.processes import stop, wait_serving
 
-pytestmark = [pytest.mark.e2e]
 HPD = Path(sys.executable).parent / "hpd"
 
 

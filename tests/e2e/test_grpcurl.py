@@ -29,7 +29,7 @@ def grpcurl_path() -> str | None:
 GRPCURL = grpcurl_path()
 if GRPCURL is None and os.environ.get("CI"):
     raise RuntimeError("grpcurl is required in CI: scripts/bootstrap.sh installs it")
-pytestmark = [pytest.mark.e2e, pytest.mark.skipif(GRPCURL is None, reason="no grpcurl binary")]
+pytestmark = [pytest.mark.skipif(GRPCURL is None, reason="no grpcurl binary")]
 
 
 def grpcurl(port: int, *args: str, data: object | None = None) -> subprocess.CompletedProcess[str]:

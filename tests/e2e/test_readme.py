@@ -33,7 +33,6 @@ from tests.support.processes import stop
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 pytestmark = [
-    pytest.mark.e2e,
     pytest.mark.skipif(GRPCURL is None, reason="no grpcurl binary"),
 ]
 

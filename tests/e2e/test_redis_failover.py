@@ -9,11 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from tests.support.failover import log_tail, run_failover
-
-pytestmark = [pytest.mark.e2e]
 
 
 async def test_a_primary_killed_under_load_loses_nothing_acknowledged(tmp_path: Path) -> None:

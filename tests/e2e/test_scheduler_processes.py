@@ -27,7 +27,6 @@ from tests.support.fleet import load
 from tests.support.processes import schedule_when_ready, stop, wait_serving
 
 pytestmark = [
-    pytest.mark.e2e,
     pytest.mark.skipif(external("registry") is not None, reason="needs an isolated fleet"),
 ]
 

@@ -30,7 +30,6 @@ from hpd_tools.embedded_redis import free_port
 from tests.support.fleet import capability, load
 from tests.support.processes import schedule_when_ready, stop, wait_serving
 
-pytestmark = [pytest.mark.e2e]
 HPD = Path(sys.executable).parent / "hpd"
 
 

@@ -20,7 +20,6 @@ from hpd_common.errors import Unavailable
 from hpd_tools.embedded_redis import EmbeddedRedis, _is_redis
 
 pytestmark = [
-    pytest.mark.integration,
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux death signal"),
 ]
 

@@ -30,8 +30,6 @@ from tests.unit.kvbroker.harness import (
     start_broker,
 )
 
-pytestmark = pytest.mark.integration
-
 
 async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 5.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout_s

@@ -37,8 +37,6 @@ from hpd_registry.keys import RegistryKeys
 from hpd_registry.store import credential_hash
 from hpd_tools.embedded_redis import EmbeddedRedis
 
-pytestmark = pytest.mark.integration
-
 S = SessionState
 T0 = 1_700_000_000_000
 GIB = 1 << 30

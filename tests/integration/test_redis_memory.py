@@ -28,8 +28,6 @@ from tests.component.test_scheduler_api import (
 )
 from tests.conftest import RegistryHandle, stop_server
 
-pytestmark = pytest.mark.integration
-
 
 async def handle(redis_server: EmbeddedRedis, registry: RegistryHandle, **kw: Any) -> Any:
     server = await start_scheduler(redis_server.url, registry.prefix, registry.target, **kw)

@@ -18,8 +18,6 @@ from hpd_common.redis_conn import STORE_DOWN, HpdRedis, NotReplicated, connect
 from hpd_tools.embedded_redis import EmbeddedRedis
 from tests.support.replication import plain, start_pair, wait_synced
 
-pytestmark = [pytest.mark.integration]
-
 INCR = "redis.call('INCR', KEYS[1]); return redis.call('GET', KEYS[1])"
 
 

@@ -26,7 +26,6 @@ from tests.support.fleet import capability
 from tests.support.watch import EventReader
 
 pytestmark = [
-    pytest.mark.integration,
     pytest.mark.skipif(external("registry") is not None, reason="starts its own processes"),
 ]
 

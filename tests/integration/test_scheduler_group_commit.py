@@ -26,8 +26,6 @@ from hpd_scheduler.store import (
 )
 from hpd_tools.embedded_redis import EmbeddedRedis
 
-pytestmark = pytest.mark.integration
-
 NOW = 1_000_000
 TTL = 60_000
 KV = 100

@@ -38,8 +38,6 @@ from tests.component.test_scheduler_api import (
 from tests.conftest import RegistryHandle
 from tests.support.fleet import load
 
-pytestmark = pytest.mark.integration
-
 ROOT = Path(__file__).resolve().parents[2]
 K = 5
 PER_REQUEST_BYTES = (1000 + 24) * 128 * 1024  # llama-3-8b bf16: 128 KiB per token

@@ -7,7 +7,6 @@ import time
 from collections import Counter
 
 import grpc
-import pytest
 
 from hetero_pd.v1 import common_pb2 as c
 from hpd_common import redis_conn
@@ -22,8 +21,6 @@ from tests.component.test_scheduler_api import (
 )
 from tests.conftest import RegistryHandle, start_registry, stop_server
 from tests.support.fleet import load
-
-pytestmark = pytest.mark.integration
 
 
 async def restart_registry(redis_url: str, prefix: str, port: int) -> GrpcServer:

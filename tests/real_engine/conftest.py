@@ -66,10 +66,8 @@ def enabled() -> bool:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip = pytest.mark.skip(reason="needs real engines (scripts/real-engines-e2e.sh)")
     for item in items:
-        if "tests/real_engine/" in item.nodeid.replace("\\", "/"):
-            item.add_marker(pytest.mark.real_engine)
-            if not enabled():
-                item.add_marker(skip)
+        if "tests/real_engine/" in item.nodeid.replace("\\", "/") and not enabled():
+            item.add_marker(skip)
 
 
 @dataclass

@@ -16,7 +16,7 @@ from the compiled build, but only when the whole build is *current*:
   debuggers, comparisons).
 
 Anything else imports the pure-Python modules, which stay the reference: both behave the
-same (tests/unit/test_native.py compares their decisions), and every service runs either
+same (tests/unit/common/test_native.py compares their decisions), and every service runs either
 way. `status()` says which is active and why; the scheduler logs it at start and the
 benchmarks report it.
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from hpd_common.aio import cancel_and_wait
 
-SERVICES = Path(__file__).resolve().parents[2] / "services"
+SERVICES = Path(__file__).resolve().parents[3] / "services"
 
 
 async def test_a_task_that_absorbs_one_cancel_is_cancelled_again() -> None:

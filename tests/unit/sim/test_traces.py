@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from hpd_sim.traces import Trace, TraceError, TraceRequest, load_trace, reshape
 
-DATA = Path(__file__).resolve().parents[2] / "data" / "traces"
+DATA = Path(__file__).resolve().parents[3] / "data" / "traces"
 
 AZURE = """TIMESTAMP,ContextTokens,GeneratedTokens
 2023-11-16 18:15:46.6805900,374,44

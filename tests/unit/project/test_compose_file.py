@@ -22,7 +22,7 @@ import pytest
 import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 HPD_SERVICES = {"registry": 50051, "scheduler": 50052, "kvbroker": 50053}
 DEFAULT_SERVICES = {"redis", *HPD_SERVICES}
 
