@@ -9,13 +9,10 @@ suite), the registry at that address.
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
@@ -24,8 +21,12 @@ import redis.asyncio as aioredis
 from hetero_pd.v1 import registry_pb2_grpc as r_grpc
 from hpd_common import redis_conn
 from hpd_common.logging import configure_logging
-from hpd_common.server import GrpcServer, pin_grpc_aio_runtime
+from hpd_common.server import pin_grpc_aio_runtime
 from hpd_tools.embedded_redis import EmbeddedRedis
+
+# the `scheduler` fixture (defined with its harness) is every test's, like `registry` below
+from tests.support.scheduler import scheduler as scheduler
+from tests.support.servers import RegistryHandle, external, start_registry, stop_server
 
 configure_logging("warning", json_logs=False)
 
@@ -99,47 +100,6 @@ async def redis_client(redis_server: EmbeddedRedis) -> AsyncIterator[aioredis.Re
     client = redis_conn.connect(redis_server.url)
     yield client
     await client.aclose()
-
-
-@dataclass
-class RegistryHandle:
-    target: str
-    channel: grpc.aio.Channel
-    stub: Any
-    server: GrpcServer | None
-    prefix: str
-
-
-def external(name: str) -> str | None:
-    """The address of an externally run service (compose suite), if one is configured."""
-    return os.environ.get(f"HPD_{name.upper()}_ADDR") or None
-
-
-async def start_registry(redis_url: str, prefix: str, **overrides: Any) -> GrpcServer:
-    from hpd_registry.__main__ import build_server
-    from hpd_registry.service import RegistrySettings
-
-    settings = RegistrySettings(
-        port=0,
-        redis_url=redis_url,
-        key_prefix=prefix,
-        lease_ttl_ms=overrides.pop("lease_ttl_ms", 3_000),
-        sweep_interval_ms=overrides.pop("sweep_interval_ms", 100),
-        bookmark_interval_ms=overrides.pop("bookmark_interval_ms", 200),
-        min_lease_ttl_ms=overrides.pop("min_lease_ttl_ms", 100),
-        **overrides,
-    )
-    server = build_server(settings, redis_conn.connect(redis_url))
-    server._probe_interval_s = 0.1
-    await server.start()
-    return server
-
-
-async def stop_server(server: GrpcServer) -> None:
-    """Stop a server a test started (no grace) and close the Redis client it was built with."""
-    await server.stop(0)
-    if server.redis is not None:
-        await server.redis.aclose()
 
 
 @pytest.fixture

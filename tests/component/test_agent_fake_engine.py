@@ -23,7 +23,7 @@ from hpd_agent.engines import VllmAdapter
 from hpd_common.clock import SystemClock
 from hpd_common.server import GrpcServer
 from hpd_tools.embedded_redis import EmbeddedRedis, free_port
-from tests.conftest import external, stop_server
+from tests.support.servers import external, stop_server
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "engines" / "vllm"
 pytestmark = [

@@ -35,8 +35,8 @@ from hpd_common.channels import CallIdentity, aio_channel
 from hpd_tools.controlplane import ControlPlane, ControlPlaneSettings
 from hpd_tools.embedded_redis import EmbeddedRedis
 from tests.component.test_registry_api import code_of
-from tests.conftest import external
 from tests.support.fleet import capability, load
+from tests.support.servers import external
 
 pytestmark = [
     pytest.mark.skipif(external("registry") is not None, reason="starts its own servers"),

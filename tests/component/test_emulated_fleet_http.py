@@ -32,7 +32,7 @@ from hpd_fleet.fleet import Fleet
 from hpd_gateway.__main__ import GatewayServer, GatewaySettings
 from hpd_sim.cluster import parse_cluster
 from hpd_tools.controlplane import ControlPlane
-from tests.conftest import external
+from tests.support.servers import external
 
 pytestmark = [
     pytest.mark.skipif(external("registry") is not None, reason="starts its own servers"),

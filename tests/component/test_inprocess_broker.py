@@ -20,7 +20,7 @@ from hpd_common import auth
 from hpd_scheduler.broker_client import SessionRefused
 from hpd_tools.controlplane import ControlPlane, InProcessKvBroker
 from tests.component.test_prefix_routing import _register
-from tests.conftest import external
+from tests.support.servers import external
 
 pytestmark = [
     pytest.mark.skipif(external("registry") is not None, reason="starts its own servers"),

@@ -19,9 +19,8 @@ from hetero_pd.v1 import registry_pb2 as r
 from hpd_common.errors import InvalidArgument
 from hpd_kvbroker.service import KvBrokerSettings, policy_from
 from hpd_tools.embedded_redis import EmbeddedRedis
-from tests.conftest import RegistryHandle, external
 from tests.support.fleet import capability, kv_format
-from tests.unit.kvbroker.harness import (
+from tests.support.kvbroker import (
     GIB,
     BrokerHandle,
     caller,
@@ -29,6 +28,7 @@ from tests.unit.kvbroker.harness import (
     register,
     start_broker,
 )
+from tests.support.servers import RegistryHandle, external
 
 # These start their own broker over the suite's Redis; against a compose stack (whose
 # registry keeps its credentials in the stack's Redis) the stack's own suite covers it.

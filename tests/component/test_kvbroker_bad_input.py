@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 from hetero_pd.v1 import common_pb2 as c
 from hetero_pd.v1 import kvbroker_pb2 as k
 from hpd_tools.embedded_redis import EmbeddedRedis
-from tests.conftest import RegistryHandle, external
 from tests.support.fleet import kv_format
-from tests.unit.kvbroker.harness import GIB, BrokerHandle, caller, register, start_broker
+from tests.support.kvbroker import GIB, BrokerHandle, caller, register, start_broker
+from tests.support.servers import RegistryHandle, external
 
 # These start their own broker over the suite's Redis; against a compose stack (whose
 # registry keeps its credentials in the stack's Redis) the stack's own suite covers it.

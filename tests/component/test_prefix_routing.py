@@ -30,8 +30,8 @@ from hpd_scheduler.policy.prefix import chain_hashes
 from hpd_tools.controlplane import ControlPlane
 from hpd_tools.embedded_redis import free_port
 from tests.component.test_registry_api import code_of
-from tests.conftest import external
 from tests.support.fleet import capability, load
+from tests.support.servers import external
 
 pytestmark = [
     pytest.mark.skipif(external("registry") is not None, reason="starts its own servers"),

@@ -17,8 +17,8 @@ from hetero_pd.v1 import common_pb2 as c
 from hetero_pd.v1 import registry_pb2 as r
 from hpd_common.aio import cancel_and_wait
 from hpd_registry.api import RegistryComponent
-from tests.conftest import RegistryHandle, external
 from tests.support.fleet import capability, load
+from tests.support.servers import RegistryHandle, external
 
 
 async def register(reg: RegistryHandle, wid: str, **kw: Any) -> r.RegisterWorkerResponse:

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from hetero_pd.v1 import common_pb2 as c
 from hetero_pd.v1 import registry_pb2 as r
 from hpd_common import metrics
-from tests.conftest import RegistryHandle, external
 from tests.support.fleet import capability, load
+from tests.support.servers import RegistryHandle, external
 
 Mutator = Callable[[c.WorkerCapability], None]
 

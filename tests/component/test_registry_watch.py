@@ -14,8 +14,8 @@ import pytest
 
 from hetero_pd.v1 import common_pb2 as c
 from hetero_pd.v1 import registry_pb2 as r
-from tests.conftest import RegistryHandle, external, start_registry, stop_server
 from tests.support.fleet import capability, load
+from tests.support.servers import RegistryHandle, external, start_registry, stop_server
 from tests.support.watch import EventReader
 
 T = r.WatchEventType

@@ -12,7 +12,7 @@ import pytest
 
 from hetero_pd.v1 import scheduler_pb2 as s
 from hpd_tools.embedded_redis import EmbeddedRedis
-from tests.component.test_scheduler_api import (
+from tests.support.scheduler import (
     SchedulerHandle,
     hetero_fleet,
     own_scheduler,
@@ -20,7 +20,7 @@ from tests.component.test_scheduler_api import (
     sched,
     scheduler,
 )
-from tests.conftest import RegistryHandle, external
+from tests.support.servers import RegistryHandle, external
 
 pytestmark = [
     pytest.mark.skipif(external("registry") is not None, reason="needs an isolated fleet"),

@@ -11,13 +11,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hetero_pd.v1 import scheduler_pb2 as s
-from tests.component.test_scheduler_api import (
+from tests.support.scheduler import (
     SchedulerHandle,
     hetero_fleet,
     sched,
     status_of,
 )
-from tests.component.test_scheduler_api import scheduler as scheduler
+from tests.support.scheduler import scheduler as scheduler
 
 GOOD: dict[str, Any] = {
     "request_id": "bad-1",

@@ -19,7 +19,7 @@ from hpd_common.errors import InvalidArgument
 from hpd_common.metrics import serve_metrics
 from hpd_common.server import ServerSettings, server_credentials
 from hpd_tools.embedded_redis import EmbeddedRedis, free_port
-from tests.conftest import external, start_registry
+from tests.support.servers import external, start_registry
 
 pytestmark = [
     pytest.mark.skipif(external("registry") is not None, reason="starts its own servers"),

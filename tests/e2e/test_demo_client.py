@@ -16,8 +16,8 @@ from hetero_pd.v1 import registry_pb2 as r
 from hpd_agent.worker_client import ClientTiming, WorkerClient
 from hpd_common.clock import SystemClock
 from hpd_registry.domain import LoadReport
-from tests.conftest import RegistryHandle
 from tests.support.fleet import capability
+from tests.support.servers import RegistryHandle
 
 
 async def until(cond: Callable[[], Awaitable[bool]], timeout_s: float = 5.0) -> None:

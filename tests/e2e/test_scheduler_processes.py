@@ -21,10 +21,10 @@ from hetero_pd.v1 import common_pb2 as c
 from hetero_pd.v1 import scheduler_pb2 as s
 from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
 from hpd_tools.embedded_redis import EmbeddedRedis
-from tests.component.test_scheduler_api import register, sched
-from tests.conftest import RegistryHandle, external
 from tests.support.fleet import load
 from tests.support.processes import schedule_when_ready, stop, wait_serving
+from tests.support.scheduler import register, sched
+from tests.support.servers import RegistryHandle, external
 
 pytestmark = [
     pytest.mark.skipif(external("registry") is not None, reason="needs an isolated fleet"),

@@ -20,8 +20,7 @@ from hpd_common import redis_conn
 from hpd_common.errors import Unavailable
 from hpd_kvbroker.api import SERVICE_NAME
 from hpd_tools.embedded_redis import EmbeddedRedis
-from tests.conftest import RegistryHandle, start_registry, stop_server
-from tests.unit.kvbroker.harness import (
+from tests.support.kvbroker import (
     GIB,
     BrokerHandle,
     caller,
@@ -29,6 +28,7 @@ from tests.unit.kvbroker.harness import (
     register,
     start_broker,
 )
+from tests.support.servers import RegistryHandle, start_registry, stop_server
 
 
 async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 5.0) -> None:

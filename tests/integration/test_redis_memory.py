@@ -18,7 +18,7 @@ from hetero_pd.v1 import scheduler_pb2 as s
 from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
 from hpd_common import metrics
 from hpd_tools.embedded_redis import EmbeddedRedis
-from tests.component.test_scheduler_api import (
+from tests.support.scheduler import (
     IDLE,
     SchedulerHandle,
     register,
@@ -26,7 +26,7 @@ from tests.component.test_scheduler_api import (
     start_scheduler,
     status_of,
 )
-from tests.conftest import RegistryHandle, stop_server
+from tests.support.servers import RegistryHandle, stop_server
 
 
 async def handle(redis_server: EmbeddedRedis, registry: RegistryHandle, **kw: Any) -> Any:

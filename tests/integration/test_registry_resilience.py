@@ -21,8 +21,8 @@ from hetero_pd.v1 import common_pb2 as c
 from hetero_pd.v1 import registry_pb2 as r
 from hetero_pd.v1 import registry_pb2_grpc as r_grpc
 from hpd_tools.embedded_redis import EmbeddedRedis, free_port
-from tests.conftest import external
 from tests.support.fleet import capability
+from tests.support.servers import external
 from tests.support.watch import EventReader
 
 pytestmark = [
@@ -194,7 +194,7 @@ async def test_a_redis_outage_longer_than_the_lease_loses_no_worker(
     """Redis stopped for three leases while a worker keeps heartbeating (its heartbeats
     fail meanwhile): afterwards the worker is the same registration (same credential and
     registration time), no deletion reached the change feed, and its heartbeats succeed."""
-    from tests.conftest import start_registry, stop_server
+    from tests.support.servers import start_registry, stop_server
 
     lease_ms = 1_000
     redis = EmbeddedRedis(tmp_path / "r", persist=True).start()
@@ -259,7 +259,7 @@ async def test_a_worker_backing_off_after_a_long_outage_keeps_its_registration(
     lasts as long as the outage when that is longer than a lease, so the heartbeat renews
     the same registration (a grace of one lease expired it, and the worker registered
     again under a new credential, orphaning its KV sessions)."""
-    from tests.conftest import start_registry, stop_server
+    from tests.support.servers import start_registry, stop_server
 
     lease_ms = 1_000
     redis = EmbeddedRedis(tmp_path / "r", persist=True).start()

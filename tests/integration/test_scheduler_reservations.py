@@ -28,15 +28,15 @@ from hetero_pd.v1 import scheduler_pb2 as s
 from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
 from hpd_scheduler.keys import SchedulerKeys
 from hpd_tools.embedded_redis import EmbeddedRedis
-from tests.component.test_scheduler_api import (
+from tests.support.fleet import load
+from tests.support.scheduler import (
     SchedulerHandle,
     own_scheduler,
     register,
     sched,
     status_of,
 )
-from tests.conftest import RegistryHandle
-from tests.support.fleet import load
+from tests.support.servers import RegistryHandle
 
 ROOT = Path(__file__).resolve().parents[2]
 K = 5

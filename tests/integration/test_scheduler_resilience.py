@@ -12,15 +12,15 @@ from hetero_pd.v1 import common_pb2 as c
 from hpd_common import redis_conn
 from hpd_common.server import GrpcServer
 from hpd_tools.embedded_redis import EmbeddedRedis
-from tests.component.test_scheduler_api import (
+from tests.support.fleet import load
+from tests.support.scheduler import (
     SchedulerHandle,
     register,
     sched,
     start_scheduler,
     status_of,
 )
-from tests.conftest import RegistryHandle, start_registry, stop_server
-from tests.support.fleet import load
+from tests.support.servers import RegistryHandle, start_registry, stop_server
 
 
 async def restart_registry(redis_url: str, prefix: str, port: int) -> GrpcServer:

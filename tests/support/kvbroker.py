@@ -20,8 +20,8 @@ from hpd_common.server import GrpcServer
 from hpd_kvbroker.__main__ import build_server
 from hpd_kvbroker.api import KvBrokerComponent
 from hpd_kvbroker.service import KvBrokerService, KvBrokerSettings
-from tests.conftest import stop_server
 from tests.support.fleet import capability
+from tests.support.servers import stop_server
 
 GIB = 1 << 30
 
