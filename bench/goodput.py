@@ -64,6 +64,7 @@ SLO = Slo(ttft_ms=1000.0, tpot_ms=50.0)
 TIER = (("interactive", 1.0),)
 
 
+# size: a benchmark's procedure, read top to bottom (bench/README.md)
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="trace slice, coarse search (< 1 min)")

@@ -54,9 +54,9 @@ async def _serve(redis_url: str) -> None:
     from hpd_common import redis_conn
     from hpd_common.logging import configure_logging
     from hpd_kvbroker.__main__ import build_server as build_broker
-    from hpd_kvbroker.service import KvBrokerSettings
+    from hpd_kvbroker.settings import KvBrokerSettings
     from hpd_registry.__main__ import build_server as build_registry
-    from hpd_registry.service import RegistrySettings
+    from hpd_registry.settings import RegistrySettings
 
     configure_logging("warning", json_logs=True)
     client = redis_conn.connect(redis_url)

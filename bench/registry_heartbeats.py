@@ -189,6 +189,7 @@ def run_child(script_args: list[str]) -> dict[str, Any]:
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
+# size: a benchmark's procedure, read top to bottom (bench/README.md)
 async def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(Path(tmp), persist=False) as redis:
         port = free_port()

@@ -93,7 +93,7 @@ def bench_profile(folder: str) -> str:
     """The default profile with admission off, as a file (module docstring)."""
     import yaml
 
-    from hpd_scheduler.service import profile_document
+    from hpd_scheduler.settings import profile_document
 
     doc = yaml.safe_load(profile_document("default"))
     doc.setdefault("slo_objective", {})["admit_ttft_factor"] = 0.0
@@ -106,12 +106,13 @@ def plan_once() -> None:
     """``floor`` mode: `SchedulerService.schedule` plans its first request, then reserves and
     records that same plan (under each request's id) for every later one."""
     from hpd_scheduler import service as svc
+    from hpd_scheduler.answers import ScheduleResult
     from hpd_scheduler.store import ReservationAsk, ReserveEntry
 
     planned = svc.SchedulerService.schedule
     first: dict[str, Any] = {}
 
-    async def schedule(self: svc.SchedulerService, req: Any) -> svc.ScheduleResult:
+    async def schedule(self: svc.SchedulerService, req: Any) -> ScheduleResult:
         if not first:
             out = await planned(self, req)
             first.update(out.head)
@@ -127,7 +128,7 @@ def plan_once() -> None:
             req.request_id, head, head["decision"], ask, self.clock.now_ms(),
             st.reservation_ttl_ms, st.record_ttl_ms,
         ))  # fmt: skip
-        return svc.ScheduleResult(head, False)
+        return ScheduleResult(head, False)
 
     svc.SchedulerService.schedule = schedule  # type: ignore[method-assign]
 
@@ -142,9 +143,9 @@ async def serve(redis_url: str, prefix: str, mode: str) -> None:
     from hpd_common.logging import configure_logging
     from hpd_common.server import run_until_signal
     from hpd_registry.__main__ import build_server as build_registry
-    from hpd_registry.service import RegistrySettings
+    from hpd_registry.settings import RegistrySettings
     from hpd_scheduler.__main__ import build_server as build_scheduler
-    from hpd_scheduler.service import SchedulerSettings
+    from hpd_scheduler.settings import SchedulerSettings
 
     configure_logging("warning", json_logs=False)
     client = redis_conn.connect(redis_url)

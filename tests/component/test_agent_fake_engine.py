@@ -270,7 +270,7 @@ async def _gone(stub: r_grpc.RegistryServiceStub, wid: str) -> bool:
 async def _registry_on(redis_url: str, prefix: str, port: int) -> GrpcServer:
     from hpd_common import redis_conn
     from hpd_registry.__main__ import build_server
-    from hpd_registry.service import RegistrySettings
+    from hpd_registry.settings import RegistrySettings
 
     settings = RegistrySettings(port=port, redis_url=redis_url, key_prefix=prefix,
                                 lease_ttl_ms=3_000, sweep_interval_ms=100)  # fmt: skip

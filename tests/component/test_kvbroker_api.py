@@ -17,7 +17,7 @@ from hetero_pd.v1 import common_pb2 as c
 from hetero_pd.v1 import kvbroker_pb2 as k
 from hetero_pd.v1 import registry_pb2 as r
 from hpd_common.errors import InvalidArgument
-from hpd_kvbroker.service import KvBrokerSettings, policy_from
+from hpd_kvbroker.settings import KvBrokerSettings, policy_from
 from hpd_tools.embedded_redis import EmbeddedRedis
 from tests.support.fleet import capability, kv_format
 from tests.support.kvbroker import (

@@ -70,6 +70,7 @@ def bad_format(**fields: Any) -> c.KvFormat:
     return f
 
 
+# size: a table of bad inputs, one row per field and fault
 def cases(sid: str, cred: str) -> list[tuple[str, str, Any]]:
     """(method, field the error must name, request)."""
     good = caller("p1", cred)

@@ -224,9 +224,9 @@ async def test_stopping_ends_open_streams_instead_of_waiting_out_the_grace(
 def test_a_full_watch_queue_still_ends_when_the_registry_stops() -> None:
     """A watcher far behind (its queue full) gets the stop, not a RESYNC and a snapshot."""
     from hpd_common.errors import Unavailable
-    from hpd_registry.service import _Subscriber
+    from hpd_registry.feed import Subscriber
 
-    sub = _Subscriber(maxsize=2)
+    sub = Subscriber(maxsize=2)
     sub.offer("event-1")
     sub.offer("event-2")
     stop = Unavailable("registry stopping")

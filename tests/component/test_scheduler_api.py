@@ -307,7 +307,7 @@ async def test_health_turns_serving_when_the_view_syncs_not_at_the_next_probe(
     has synced. The sync itself re-checks readiness, so SERVING does not wait for the
     next probe (5 s here)."""
     from hpd_scheduler.__main__ import build_server
-    from hpd_scheduler.service import SchedulerSettings
+    from hpd_scheduler.settings import SchedulerSettings
 
     settings = SchedulerSettings(
         port=0,

@@ -76,6 +76,7 @@ def wait_for(check: Callable[[], bool], timeout_s: float, what: str) -> None:
     raise AssertionError(f"not within {timeout_s} s: {what}")
 
 
+# size: one end-to-end scenario whose steps build on each other, read in order
 async def test_two_processes_serve_one_port_and_stop_together(
     redis_server: EmbeddedRedis, registry: RegistryHandle
 ) -> None:

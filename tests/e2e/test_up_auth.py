@@ -147,6 +147,7 @@ def test_a_restart_keeps_the_tokens(up: Up) -> None:
     assert err.value.code() == grpc.StatusCode.NOT_FOUND  # past the gate: the token holds
 
 
+# size: one end-to-end scenario whose steps build on each other, read in order
 def test_up_tls_runs_the_whole_plane_on_mutual_tls_with_closed_reads(
     tmp_path: Path,
 ) -> None:

@@ -31,8 +31,10 @@ from hpd_kvbroker.domain import (
     negotiation_json,
 )
 from hpd_kvbroker.keys import KvKeys
-from hpd_kvbroker.service import KvBrokerService, KvBrokerSettings
-from hpd_kvbroker.store import SESSION_FIELDS, OpenArgs, SessionStore, decode_session
+from hpd_kvbroker.scripts import SESSION_FIELDS
+from hpd_kvbroker.service import KvBrokerService
+from hpd_kvbroker.settings import KvBrokerSettings
+from hpd_kvbroker.store import OpenArgs, SessionStore, decode_session
 from hpd_registry.keys import RegistryKeys
 from hpd_registry.store import credential_hash
 from hpd_tools.embedded_redis import EmbeddedRedis

@@ -26,7 +26,7 @@ from tests.support.servers import RegistryHandle, start_registry, stop_server
 async def restart_registry(redis_url: str, prefix: str, port: int) -> GrpcServer:
     """A registry like the suite's, on a given port (the one a stopped registry held)."""
     from hpd_registry.__main__ import build_server
-    from hpd_registry.service import RegistrySettings
+    from hpd_registry.settings import RegistrySettings
 
     settings = RegistrySettings(
         port=port, redis_url=redis_url, key_prefix=prefix, lease_ttl_ms=3_000,

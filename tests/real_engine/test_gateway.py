@@ -207,6 +207,7 @@ def _restart_decode(real: RealFleet) -> None:
         time.sleep(0.2)
 
 
+# size: one real-engine scenario (kill, fall back, restart) whose steps build on each other
 def test_a_decode_engine_killed_while_the_request_waits_in_prefill_falls_back(
     both_worker: RealFleet,
 ) -> None:

@@ -154,6 +154,7 @@ async def run_failover(
     return result
 
 
+# size: the failover scenario's driver, its phases in the order they happen
 async def _drive(
     addrs: list[str],
     primary: EmbeddedRedis,

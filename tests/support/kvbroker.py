@@ -19,7 +19,8 @@ from hpd_common.clock import Clock
 from hpd_common.server import GrpcServer
 from hpd_kvbroker.__main__ import build_server
 from hpd_kvbroker.api import KvBrokerComponent
-from hpd_kvbroker.service import KvBrokerService, KvBrokerSettings
+from hpd_kvbroker.service import KvBrokerService
+from hpd_kvbroker.settings import KvBrokerSettings
 from tests.support.fleet import capability
 from tests.support.servers import stop_server
 

@@ -69,7 +69,7 @@ async def start_scheduler(
     redis_url: str, prefix: str, registry: str, **overrides: Any
 ) -> GrpcServer:
     from hpd_scheduler.__main__ import build_server
-    from hpd_scheduler.service import SchedulerSettings
+    from hpd_scheduler.settings import SchedulerSettings
 
     defaults: dict[str, Any] = {
         "staleness_bound_ms": 3_000,

@@ -30,7 +30,7 @@ def external(name: str) -> str | None:
 
 async def start_registry(redis_url: str, prefix: str, **overrides: Any) -> GrpcServer:
     from hpd_registry.__main__ import build_server
-    from hpd_registry.service import RegistrySettings
+    from hpd_registry.settings import RegistrySettings
 
     settings = RegistrySettings(
         port=0,

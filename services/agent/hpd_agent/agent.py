@@ -50,8 +50,9 @@ from hpd_registry.convert import spec_to_pb
 from hpd_registry.domain import LoadReport, WorkerSpec
 
 from .capability import AgentFlags, build_spec
-from .engines import EngineAdapter, EngineError, ModelGeometry, geometry_from_config
+from .engines import EngineAdapter, EngineError
 from .load import LoadTracker
+from .model_config import ModelGeometry, geometry_from_config
 from .worker_client import ClientTiming, WorkerClient
 
 __all__ = ["Agent", "AgentMetrics", "AgentTiming", "ConfigError"]
@@ -277,6 +278,25 @@ class Agent:
         self._tracker = LoadTracker(self._blocks, queue_max=spec.max_batch_size)
         self._load = None
         await self._scrape()  # the first heartbeat carries real figures
+        client = await self._register(spec)
+        if client is None:
+            return "engine_lost"
+        relay_task = self._start_kv_relay()
+        try:
+            return await self._watch_engine(spec)
+        finally:
+            if relay_task is not None:
+                relay_task.cancel()
+                with contextlib.suppress(BaseException):
+                    await relay_task
+            self.registered.clear()
+            await client.stop(deregister=True)
+            self.client = None
+            log.info("worker_deregistered", worker_id=spec.worker_id)
+
+    async def _register(self, spec: WorkerSpec) -> WorkerClient | None:
+        """The worker registered, heartbeating with the scraped load; None when the registry
+        could not be reached (or refused for now) within the client's retry budget."""
         client = WorkerClient(
             spec_to_pb(spec),
             self._channel,
@@ -300,7 +320,7 @@ class Agent:
             await client.stop(deregister=False)
             self.client = None
             await self._sleep(max(1.0, self.timing.scrape_period_s))
-            return "engine_lost"
+            return None
         self.metrics.registrations.inc()
         self.registered.set()
         log.info(
@@ -312,55 +332,52 @@ class Agent:
             block_size_tokens=spec.kv_format.block_size_tokens,
             model_revision=spec.model_revision,
         )
+        return client
+
+    def _start_kv_relay(self) -> asyncio.Task[None] | None:
+        """The engine's KV event relay, when the engine publishes KV events."""
+        if not self.kv_events_endpoint:
+            return None
+        relay = KvEventRelay(
+            self.kv_events_endpoint,
+            self._report_kv_events,
+            self.kv_events_topic,
+            replay_endpoint=self.kv_events_replay_endpoint,
+        )
+        self.kv_relay = relay
+        return asyncio.get_running_loop().create_task(relay.run())
+
+    async def _watch_engine(self, spec: WorkerSpec) -> str:
+        """Scrape the engine every period until it is lost (refused for
+        ``engine_down_after_s``, or silent for ``engine_hung_after_s``), drained, or the agent
+        is stopped; returns which."""
         down_since: float | None = None
         refused = False  # some failure of this run was more than a timeout
-        relay_task: asyncio.Task[None] | None = None
-        if self.kv_events_endpoint:
-            relay = KvEventRelay(
-                self.kv_events_endpoint,
-                self._report_kv_events,
-                self.kv_events_topic,
-                replay_endpoint=self.kv_events_replay_endpoint,
-            )
-            self.kv_relay = relay
-            relay_task = asyncio.get_running_loop().create_task(relay.run())
-        try:
-            while not self._stop.is_set():
-                await self._sleep(self.timing.scrape_period_s)
-                if self._stop.is_set():
-                    break
-                result = await self._scrape()
-                now = asyncio.get_running_loop().time()
-                if result == "ok":
-                    down_since, refused = None, False
-                    if self._draining and self._idle():
-                        log.info("worker_drained", worker_id=spec.worker_id)
-                        return "drained"
-                    continue
-                down_since = down_since or now
-                refused = refused or result == "down"
-                silent = now - down_since
-                limit = (
-                    self.timing.engine_down_after_s if refused else self.timing.engine_hung_after_s
+        while not self._stop.is_set():
+            await self._sleep(self.timing.scrape_period_s)
+            if self._stop.is_set():
+                break
+            result = await self._scrape()
+            now = asyncio.get_running_loop().time()
+            if result == "ok":
+                down_since, refused = None, False
+                if self._draining and self._idle():
+                    log.info("worker_drained", worker_id=spec.worker_id)
+                    return "drained"
+                continue
+            down_since = down_since or now
+            refused = refused or result == "down"
+            silent = now - down_since
+            limit = self.timing.engine_down_after_s if refused else self.timing.engine_hung_after_s
+            if silent >= limit:
+                log.warning(
+                    "engine_lost",
+                    worker_id=spec.worker_id,
+                    after_s=round(silent, 2),
+                    cause="refused" if refused else "timed_out",
                 )
-                if silent >= limit:
-                    log.warning(
-                        "engine_lost",
-                        worker_id=spec.worker_id,
-                        after_s=round(silent, 2),
-                        cause="refused" if refused else "timed_out",
-                    )
-                    return "engine_lost"
-            return "stopped"
-        finally:
-            if relay_task is not None:
-                relay_task.cancel()
-                with contextlib.suppress(BaseException):
-                    await relay_task
-            self.registered.clear()
-            await client.stop(deregister=True)
-            self.client = None
-            log.info("worker_deregistered", worker_id=spec.worker_id)
+                return "engine_lost"
+        return "stopped"
 
     async def _report_kv_events(self, block_tokens: int, events: list[KvEvent]) -> None:
         """One batch of the engine's KV events to the registry's feed (``kv_events``)."""

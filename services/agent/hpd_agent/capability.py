@@ -33,7 +33,8 @@ from urllib.parse import urlsplit
 from hpd_common.kvformat import KvDtype, KvFormat
 from hpd_registry.domain import NetworkLocation, Stage, WorkerSpec
 
-from .engines import EngineFacts, ModelGeometry, model_size_from_config
+from .engines import EngineFacts
+from .model_config import ModelGeometry, model_size_from_config
 
 __all__ = ["ROLES", "AgentFlags", "CapabilityError", "build_spec", "config_revision", "host_port"]
 
@@ -122,6 +123,45 @@ def kv_role_of(flags: AgentFlags) -> str:
     return {"prefill": "producer", "decode": "consumer"}.get(flags.role, "both")
 
 
+def _kv_dtype(flags: AgentFlags, facts: EngineFacts) -> KvDtype:
+    """The KV dtype: the engine's own (from its KV size), or ``--kv-dtype``, which must agree
+    with the engine's when both are known."""
+    dtype = facts.kv_dtype
+    if flags.kv_dtype:
+        try:
+            flagged = KvDtype(flags.kv_dtype)
+        except ValueError:
+            known = ", ".join(d.value for d in KvDtype)
+            raise CapabilityError("--kv-dtype", f"must be one of {known}") from None
+        if dtype is not None and dtype is not flagged:
+            raise CapabilityError(
+                "--kv-dtype",
+                f"says {flagged.value} but the engine's own KV size says {dtype.value}",
+            )
+        dtype = flagged
+    if dtype is None:
+        raise CapabilityError("--kv-dtype", "the engine does not state its KV dtype; give it")
+    return dtype
+
+
+def _labels(flags: AgentFlags, facts: EngineFacts, config_bytes: bytes | None) -> dict[str, str]:
+    """The worker's labels: the operator's, then the KV connector's (connector, side channel,
+    role, bootstrap port) and the model's size for the scheduler's performance model."""
+    labels = dict(flags.labels)
+    if flags.kv_connector:
+        labels["kv-connector"] = flags.kv_connector
+    if flags.kv_side_channel:
+        labels["kv-side-channel"] = flags.kv_side_channel
+    if flags.kv_connector or flags.kv_role:
+        labels["kv-role"] = kv_role_of(flags)
+    if facts.bootstrap_port:
+        labels["bootstrap-port"] = str(facts.bootstrap_port)
+    size = model_size_from_config(config_bytes.decode("utf-8", "replace")) if config_bytes else None
+    if size is not None:  # for the scheduler's performance model (capacity.resolve_model)
+        labels["model-params"], labels["model-attention-width"] = str(size[0]), str(size[1])
+    return labels
+
+
 def build_spec(
     flags: AgentFlags,
     facts: EngineFacts,
@@ -149,21 +189,7 @@ def build_spec(
             "--model-dir",
             "is required: the KV format needs the model's config.json (layers, KV heads, head dim)",
         )
-    dtype = facts.kv_dtype
-    if flags.kv_dtype:
-        try:
-            flagged = KvDtype(flags.kv_dtype)
-        except ValueError:
-            known = ", ".join(d.value for d in KvDtype)
-            raise CapabilityError("--kv-dtype", f"must be one of {known}") from None
-        if dtype is not None and dtype is not flagged:
-            raise CapabilityError(
-                "--kv-dtype",
-                f"says {flagged.value} but the engine's own KV size says {dtype.value}",
-            )
-        dtype = flagged
-    if dtype is None:
-        raise CapabilityError("--kv-dtype", "the engine does not state its KV dtype; give it")
+    dtype = _kv_dtype(flags, facts)
     if facts.kv_memory_bytes <= 0:
         raise CapabilityError("--engine-url", "the engine does not state its KV cache size")
     kv = KvFormat(
@@ -177,18 +203,7 @@ def build_spec(
         attention_backend=flags.attention_backend or facts.engine,
         model_revision=revision,
     )
-    labels = dict(flags.labels)
-    if flags.kv_connector:
-        labels["kv-connector"] = flags.kv_connector
-    if flags.kv_side_channel:
-        labels["kv-side-channel"] = flags.kv_side_channel
-    if flags.kv_connector or flags.kv_role:
-        labels["kv-role"] = kv_role_of(flags)
-    if facts.bootstrap_port:
-        labels["bootstrap-port"] = str(facts.bootstrap_port)
-    size = model_size_from_config(config_bytes.decode("utf-8", "replace")) if config_bytes else None
-    if size is not None:  # for the scheduler's performance model (capacity.resolve_model)
-        labels["model-params"], labels["model-attention-width"] = str(size[0]), str(size[1])
+    labels = _labels(flags, facts, config_bytes)
     return WorkerSpec(
         worker_id=flags.worker_id or _safe(f"{facts.engine}-{host}-{port}"),
         pool_id=flags.pool_id or _safe(f"{model_id}-{flags.role}-{flags.gpu_type}".lower()),

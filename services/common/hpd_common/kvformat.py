@@ -31,6 +31,8 @@ import enum
 import math
 from dataclasses import dataclass
 
+# size: the KV format and the rules for exchanging it are one concept that the scheduler and
+# the broker must share (module docstring); a tenth of the module is the rules' own contract
 __all__ = [
     "DEFAULT_KV_POLICY",
     "GIB",
@@ -359,6 +361,58 @@ DEFAULT_KV_POLICY = KvPolicy()
 _COMPATIBLE = Negotiation(Verdict.COMPATIBLE)
 
 
+_Blocking = list[tuple[Reason, str]]
+_Converting = list[tuple[Reason, ConversionStep]]
+
+
+def _layout_step(src: KvFormat, dst: KvFormat, contiguous: bool, pol: KvPolicy) -> ConversionStep:
+    """Rule 3 of `negotiate`: a repack to or from contiguous, else a permute."""
+    if contiguous:
+        return ConversionStep(
+            "layout_repack", f"repack {src.layout} -> {dst.layout}", pol.layout_repack_ms_per_gib
+        )
+    return ConversionStep(
+        "layout_permute", f"permute {src.layout} -> {dst.layout}", pol.layout_permute_ms_per_gib
+    )
+
+
+def _block_rule(
+    a_blk: int, b_blk: int, pol: KvPolicy, blocking: _Blocking, converting: _Converting
+) -> None:
+    """Rule 4 of `negotiate`: regroup blocks when one size divides the other."""
+    if min(a_blk, b_blk) > 0 and max(a_blk, b_blk) % min(a_blk, b_blk) == 0:
+        verb = "merge" if b_blk > a_blk else "split"
+        step = ConversionStep(
+            "block_regroup",
+            f"{verb} blocks of {a_blk} tokens into blocks of {b_blk}",
+            pol.block_regroup_ms_per_gib,
+        )
+        converting.append((Reason.BLOCK_SIZE_MISMATCH, step))
+    else:
+        detail = f"block sizes {a_blk} and {b_blk} tokens: neither divides the other"
+        blocking.append((Reason.BLOCK_SIZE_MISMATCH, detail))
+
+
+def _tp_rule(
+    src: KvFormat, dst: KvFormat, pol: KvPolicy, blocking: _Blocking, converting: _Converting
+) -> None:
+    """Rule 5 of `negotiate`: reshard when the KV heads split evenly on both sides."""
+    if _tp_split_ok(src.num_kv_heads, src.tp_size) and _tp_split_ok(dst.num_kv_heads, dst.tp_size):
+        step = ConversionStep(
+            "tp_reshard",
+            f"reshard {src.num_kv_heads} KV heads from TP {src.tp_size} to TP {dst.tp_size} "
+            f"({src.heads_per_rank()} -> {dst.heads_per_rank()} heads per rank)",
+            pol.tp_reshard_ms_per_gib,
+        )
+        converting.append((Reason.TP_SIZE_MISMATCH, step))
+    else:
+        detail = (
+            f"KV heads {src.num_kv_heads}/{dst.num_kv_heads} do not split evenly over "
+            f"TP {src.tp_size}/{dst.tp_size}"
+        )
+        blocking.append((Reason.TP_SIZE_MISMATCH, detail))
+
+
 def negotiate(src: KvFormat, dst: KvFormat, policy: KvPolicy = DEFAULT_KV_POLICY) -> Negotiation:
     """Decide whether KV produced in format ``src`` can be consumed by a worker in ``dst``.
 
@@ -409,57 +463,11 @@ def negotiate(src: KvFormat, dst: KvFormat, policy: KvPolicy = DEFAULT_KV_POLICY
 
     contiguous = KvLayout.CONTIGUOUS in (src.layout, dst.layout)
     if src.layout != dst.layout:
-        if contiguous:
-            step = ConversionStep(
-                "layout_repack",
-                f"repack {src.layout} -> {dst.layout}",
-                pol.layout_repack_ms_per_gib,
-            )
-        else:
-            step = ConversionStep(
-                "layout_permute",
-                f"permute {src.layout} -> {dst.layout}",
-                pol.layout_permute_ms_per_gib,
-            )
-        converting.append((Reason.KV_LAYOUT_MISMATCH, step))
-
-    a_blk, b_blk = src.block_size_tokens, dst.block_size_tokens
-    if not contiguous and a_blk != b_blk:
-        if min(a_blk, b_blk) > 0 and max(a_blk, b_blk) % min(a_blk, b_blk) == 0:
-            verb = "merge" if b_blk > a_blk else "split"
-            step = ConversionStep(
-                "block_regroup",
-                f"{verb} blocks of {a_blk} tokens into blocks of {b_blk}",
-                pol.block_regroup_ms_per_gib,
-            )
-            converting.append((Reason.BLOCK_SIZE_MISMATCH, step))
-        else:
-            blocking.append(
-                (
-                    Reason.BLOCK_SIZE_MISMATCH,
-                    f"block sizes {a_blk} and {b_blk} tokens: neither divides the other",
-                )
-            )
-
+        converting.append((Reason.KV_LAYOUT_MISMATCH, _layout_step(src, dst, contiguous, pol)))
+    if not contiguous and src.block_size_tokens != dst.block_size_tokens:
+        _block_rule(src.block_size_tokens, dst.block_size_tokens, pol, blocking, converting)
     if src.tp_size != dst.tp_size:
-        if _tp_split_ok(src.num_kv_heads, src.tp_size) and _tp_split_ok(
-            dst.num_kv_heads, dst.tp_size
-        ):
-            step = ConversionStep(
-                "tp_reshard",
-                f"reshard {src.num_kv_heads} KV heads from TP {src.tp_size} to TP {dst.tp_size} "
-                f"({src.heads_per_rank()} -> {dst.heads_per_rank()} heads per rank)",
-                pol.tp_reshard_ms_per_gib,
-            )
-            converting.append((Reason.TP_SIZE_MISMATCH, step))
-        else:
-            blocking.append(
-                (
-                    Reason.TP_SIZE_MISMATCH,
-                    f"KV heads {src.num_kv_heads}/{dst.num_kv_heads} do not split evenly over "
-                    f"TP {src.tp_size}/{dst.tp_size}",
-                )
-            )
+        _tp_rule(src, dst, pol, blocking, converting)
 
     if not pol.backends_compatible(src.attention_backend, dst.attention_backend):
         blocking.append(

@@ -55,10 +55,14 @@ MODULES: tuple[str, ...] = (
     "hpd_scheduler.policy.framework",
     "hpd_scheduler.policy.links",
     "hpd_scheduler.policy.mechanisms",
+    "hpd_scheduler.policy.pairing",
     "hpd_scheduler.policy.planner",
     "hpd_scheduler.policy.plugins",
     "hpd_scheduler.policy.prefix",
+    "hpd_scheduler.policy.preselect",
+    "hpd_scheduler.policy.results",
     "hpd_scheduler.policy.serving",
+    "hpd_scheduler.policy.worker_state",
 )
 """What is compiled: the policy core's decision path, where the time goes (the policy
 package's config parsing, balance planning and synthetic fleets stay interpreted). A

@@ -25,7 +25,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from hetero_pd.v1 import diagnostics_pb2, diagnostics_pb2_grpc
-from hpd_common import auth
+from hpd_common import auth_interceptor
 from hpd_common.aio import cancel_and_wait
 from hpd_common.channels import CallSettings
 from hpd_common.diagnostics import DiagnosticsApi
@@ -224,7 +224,7 @@ class GrpcServer:
     async def start(self) -> int:
         """Binds, starts the component and the server; returns the bound port."""
         pin_grpc_aio_runtime()
-        interceptors = auth.interceptors_for(
+        interceptors = auth_interceptor.interceptors_for(
             self.settings.auth_tokens_file, self.settings.auth_open_reads
         )
         if not interceptors:

@@ -78,41 +78,42 @@ def _error(exc: GatewayError, request_id: str = "") -> web.Response:
     return web.json_response(exc.body(), status=exc.status, headers=headers)
 
 
-def build_app(
-    gateway: Gateway,
-    max_body_bytes: int = 4 << 20,
-    max_concurrent: int = 1024,
-    stale_after_s: float = 10.0,
-) -> web.Application:
-    """The aiohttp application of ``hpd gateway`` (module docstring)."""
-    app = web.Application(client_max_size=max_body_bytes)
-    in_flight = 0
+class _Routes:
+    """The handlers of ``hpd gateway``'s routes, with the request-in-flight count they share."""
 
-    async def serve(request: web.Request, kind: str) -> web.StreamResponse:
-        nonlocal in_flight
+    def __init__(
+        self, gateway: Gateway, max_body_bytes: int, max_concurrent: int, stale_after_s: float
+    ) -> None:
+        self.gateway = gateway
+        self.max_body_bytes = max_body_bytes
+        self.max_concurrent = max_concurrent
+        self.stale_after_s = stale_after_s
+        self.in_flight = 0
+
+    async def serve(self, request: web.Request, kind: str) -> web.StreamResponse:
         rid = request.headers.get("x-request-id", "")
         rid = rid if _REQUEST_ID.match(rid) else "gw-" + uuid.uuid4().hex
-        if in_flight >= max_concurrent:
+        if self.in_flight >= self.max_concurrent:
             return _error(
                 GatewayError(
-                    429, f"the gateway is at its limit of {max_concurrent} requests in flight",
+                    429, f"the gateway is at its limit of {self.max_concurrent} requests in flight",
                     type_="rate_limit_error", code="rate_limited", retry_after_s=1,
                 ),
                 rid,
             )  # fmt: skip
-        in_flight += 1  # counted from here: a slow body still holds its place
+        self.in_flight += 1  # counted from here: a slow body still holds its place
         try:
-            return await _serve_counted(request, kind, rid)
+            return await self._serve_counted(request, kind, rid)
         finally:
-            in_flight -= 1
+            self.in_flight -= 1
 
-    async def _serve_counted(request: web.Request, kind: str, rid: str) -> web.StreamResponse:
+    async def _serve_counted(self, request: web.Request, kind: str, rid: str) -> web.StreamResponse:
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             return _error(
                 GatewayError(
-                    413, f"the body is larger than {max_body_bytes} bytes", param="body",
+                    413, f"the body is larger than {self.max_body_bytes} bytes", param="body",
                     code="body_too_large",
                 ),
                 rid,
@@ -123,9 +124,9 @@ def build_app(
             return _error(exc, rid)
         auth = request.headers.get("Authorization", "")
         key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
-        tier = gateway.tier_for(request.headers.get("x-hpd-tier", ""), key)
+        tier = self.gateway.tier_for(request.headers.get("x-hpd-tier", ""), key)
         sink = _HttpSink(request, rid)
-        await gateway.handle(req, sink, request_id=rid, tier=tier)
+        await self.gateway.handle(req, sink, request_id=rid, tier=tier)
         if sink.response is None:  # nothing was sent: cannot happen, answer honestly
             return _error(GatewayError(500, "no answer was produced", type_="server_error"))
         if isinstance(sink.response, web.StreamResponse) and not isinstance(
@@ -134,36 +135,37 @@ def build_app(
             await sink.response.write_eof()
         return sink.response
 
-    async def completions(request: web.Request) -> web.StreamResponse:
-        return await serve(request, COMPLETIONS)
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.serve(request, COMPLETIONS)
 
-    async def chat(request: web.Request) -> web.StreamResponse:
-        return await serve(request, CHAT)
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self.serve(request, CHAT)
 
-    async def models(request: web.Request) -> web.Response:
+    async def models(self, request: web.Request) -> web.Response:
         del request
         now = int(time.time())
         data = [
             {"id": m, "object": "model", "created": now, "owned_by": "hetero-pd"}
-            for m in gateway.control.models()
+            for m in self.gateway.control.models()
         ]
         return web.json_response({"object": "list", "data": data})
 
-    async def health(request: web.Request) -> web.Response:
+    async def health(self, request: web.Request) -> web.Response:
         del request
-        age = gateway.control.fleet.age_s()
-        if age > stale_after_s:
+        age = self.gateway.control.fleet.age_s()
+        if age > self.stale_after_s:
             return web.json_response(
                 error_body("the fleet view is stale or not synced", "server_error", "unavailable"),
                 status=503,
             )
         return web.json_response({"status": "ok", "fleet_age_s": round(age, 3)})
 
-    async def metrics(request: web.Request) -> web.Response:
+    async def metrics(self, request: web.Request) -> web.Response:
         del request
-        body = generate_latest(gateway.metrics.registry)
+        body = generate_latest(self.gateway.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
+    @staticmethod
     async def not_found(request: web.Request) -> web.Response:
         return web.json_response(
             error_body(f"no route {request.method} {request.path}", "invalid_request_error",
@@ -171,10 +173,20 @@ def build_app(
             status=404,
         )  # fmt: skip
 
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", chat)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_route("*", "/{tail:.*}", not_found)
+
+def build_app(
+    gateway: Gateway,
+    max_body_bytes: int = 4 << 20,
+    max_concurrent: int = 1024,
+    stale_after_s: float = 10.0,
+) -> web.Application:
+    """The aiohttp application of ``hpd gateway`` (module docstring)."""
+    app = web.Application(client_max_size=max_body_bytes)
+    routes = _Routes(gateway, max_body_bytes, max_concurrent, stale_after_s)
+    app.router.add_post("/v1/completions", routes.completions)
+    app.router.add_post("/v1/chat/completions", routes.chat)
+    app.router.add_get("/v1/models", routes.models)
+    app.router.add_get("/health", routes.health)
+    app.router.add_get("/metrics", routes.metrics)
+    app.router.add_route("*", "/{tail:.*}", routes.not_found)
     return app

@@ -12,7 +12,8 @@ from hpd_common.clock import Clock, SystemClock
 from hpd_common.errors import InvalidArgument
 from hpd_common.server import GrpcServer, serve_main
 from hpd_kvbroker.api import KvBrokerComponent
-from hpd_kvbroker.service import KvBrokerService, KvBrokerSettings
+from hpd_kvbroker.service import KvBrokerService
+from hpd_kvbroker.settings import KvBrokerSettings
 
 
 def build_server(

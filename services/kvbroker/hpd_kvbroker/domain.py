@@ -35,7 +35,7 @@ from typing import Any
 
 from hpd_common.errors import InvalidArgument
 from hpd_common.kvformat import ConversionStep, Negotiation, Verdict
-from hpd_registry.domain import check_id
+from hpd_registry.validation import check_id
 
 MAX_EXPECTED_BYTES = 1 << 50
 """1 PiB: far above any KV cache (a 1M-token context of a 70B model in fp32 is ~0.6 TiB)."""

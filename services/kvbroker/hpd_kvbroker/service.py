@@ -23,7 +23,7 @@ import hmac
 import os
 import random
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
@@ -39,18 +39,9 @@ from hpd_common.errors import (
     PermissionDenied,
     Unavailable,
 )
-from hpd_common.kvformat import (
-    KvFormat,
-    KvFormatError,
-    KvPolicy,
-    Negotiation,
-    Verdict,
-    across_models,
-)
+from hpd_common.kvformat import KvFormat, KvFormatError, Negotiation, Verdict, across_models
 from hpd_common.logging import get_logger
 from hpd_common.redis_conn import refuse_when_full
-from hpd_common.server import ServerSettings
-from hpd_common.settings import split_csv
 from hpd_kvbroker import metrics
 from hpd_kvbroker.domain import (
     GATEWAY_OPS,
@@ -66,90 +57,18 @@ from hpd_kvbroker.domain import (
 )
 from hpd_kvbroker.keys import KvKeys
 from hpd_kvbroker.matrix import CompatibilityMatrix, MatrixView
-from hpd_kvbroker.store import OpenArgs, Result, SessionStore, SweepResult, decode_session
-from hpd_registry.domain import WorkerRecord, check_id
+from hpd_kvbroker.queries import SessionQueries
+from hpd_kvbroker.settings import KvBrokerSettings, policy_from
+from hpd_kvbroker.store import OpenArgs, Result, SessionStore, SweepResult
+from hpd_registry.domain import WorkerRecord
 from hpd_registry.informer import FleetChange, FleetInformer
 from hpd_registry.keys import RegistryKeys
 from hpd_registry.store import RegistryStore, credential_hash
+from hpd_registry.validation import check_id
 
 log = get_logger("kvbroker")
 
 MAX_CREDENTIAL_LEN = 256
-
-
-@dataclass(frozen=True, slots=True)
-class KvBrokerSettings(ServerSettings):
-    port: int = field(default=50053, metadata={"help": "gRPC port of the KV broker"})
-    key_prefix: str = field(default="hpd", metadata={"help": "prefix of the broker's Redis keys"})
-    registry_key_prefix: str = field(
-        default="hpd",
-        metadata={"help": "the registry's key prefix (credentials and leases are read there)"},
-    )
-    registry_target: str = field(
-        default="",
-        metadata={
-            "help": "registry host:port for the fleet feed (matrix, worker loss); "
-            "empty = no feed (Negotiate and OpenSession read the registry's records in Redis)"
-        },
-    )
-    scheduler_token: str = field(
-        default="",
-        metadata={
-            "help": "secret the scheduler presents to open and abort sessions; empty = "
-            "anyone may open and abort without a credential (development only)"
-        },
-    )
-    gateway_token: str = field(
-        default="",
-        metadata={
-            "help": "secret the gateway presents to report a session's progress, completion "
-            "or failure; empty = anyone may (development only)"
-        },
-    )
-    default_deadline_ms: int = field(default=30_000, metadata={"help": "session deadline if unset"})
-    max_deadline_ms: int = field(default=600_000, metadata={"help": "longest session deadline"})
-    lease_ttl_ms: int = field(
-        default=5_000, metadata={"help": "default session lease (longest gap between reports)"}
-    )
-    min_lease_ttl_ms: int = field(default=100, metadata={"help": "shortest session lease"})
-    max_lease_ttl_ms: int = field(default=120_000, metadata={"help": "longest session lease"})
-    sweep_interval_ms: int = field(
-        default=500, metadata={"help": "how often overdue sessions and lost workers are checked"}
-    )
-    retention_ms: int = field(
-        default=600_000, metadata={"help": "how long terminal sessions are kept for inspection"}
-    )
-    feed_max_len: int = field(
-        default=100_000, metadata={"help": "session-change feed entries kept"}
-    )
-    watch_poll_ms: int = field(
-        default=2_000,
-        metadata={"help": "a WatchSession stream re-reads its session when idle this long"},
-    )
-    allow_lossy_narrowing: bool = field(
-        default=False, metadata={"help": "allow lossy KV dtype casts (e.g. bf16 -> fp8)"}
-    )
-    compatible_backends: str = field(
-        default="",
-        metadata={
-            "help": "groups of attention backends that read each other's KV, "
-            "e.g. 'flash_attn+flashinfer,xformers+sdpa'"
-        },
-    )
-
-
-def policy_from(settings: KvBrokerSettings) -> KvPolicy:
-    """The KV policy the settings describe; a group needs at least two backends."""
-    groups = []
-    for part in split_csv(settings.compatible_backends):
-        names = frozenset(x.strip() for x in part.split("+") if x.strip())
-        if len(names) < 2:
-            raise InvalidArgument("compatible_backends", f"group {part!r} names fewer than two")
-        groups.append(names)
-    return KvPolicy(
-        allow_lossy_narrowing=settings.allow_lossy_narrowing,
-        compatible_backends=frozenset(groups),
-    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,8 +131,12 @@ _OP_VERB = {
 }
 
 
-class KvBrokerService:
-    """The broker's use cases; the gRPC servicer is a thin layer over this."""
+class KvBrokerService(SessionQueries):
+    """The broker's use cases; the gRPC servicer is a thin layer over this.
+
+    Split by responsibility: this module holds the set-up, the lifecycle, negotiation and
+    the matrix, and the session operations that change state; reading and watching
+    sessions is `queries.py`, settings `settings.py`."""
 
     def __init__(
         self,
@@ -544,128 +467,6 @@ class KvBrokerService:
         check_reason("reason", reason)
         return await self._transition(session_id, Op.ABORT, caller, reason=reason or "aborted")
 
-    async def _resolve(self, session_id: str, request_id: str) -> Session:
-        if bool(session_id) == bool(request_id):
-            raise InvalidArgument("session_id", "give exactly one of session_id and request_id")
-        if session_id:
-            check_id("session_id", session_id)
-            s = await self.store.get(session_id)
-            if s is None:
-                raise NotFound("session", session_id)
-            return s
-        check_id("request_id", request_id)
-        s = await self.store.get_by_request(request_id)
-        if s is None:
-            raise NotFound("session for request", request_id)
-        return s
-
-    async def get(self, session_id: str = "", request_id: str = "") -> Session:
-        return await self._resolve(session_id, request_id)
-
-    async def list_sessions(
-        self,
-        state: SessionState | None,
-        worker_id: str,
-        page_size: int,
-        page_token: str,
-        scan_batch: int = 256,
-    ) -> tuple[list[Session], str]:
-        """A page of matching sessions in id order and the next page token ('' at the end).
-
-        Filters are applied while scanning the id index, `scan_batch` ids at a time, so a
-        selective filter over many kept sessions reads more than one page of them (bounded
-        by retention)."""
-        if page_size == 0:
-            page_size = 100
-        if not 1 <= page_size <= 1000:
-            raise InvalidArgument("page_size", "must be in 1..1000")
-        if page_token:
-            check_id("page_token", page_token)
-        if worker_id:
-            check_id("worker_id", worker_id)
-        out: list[Session] = []
-        after = page_token
-        while len(out) < page_size:
-            batch, scanned = await self.store.page(after, scan_batch)
-            if scanned is None:
-                return out, ""
-            for s in batch:
-                if (state is None or s.state is state) and (
-                    not worker_id or worker_id in s.parties()
-                ):
-                    out.append(s)
-                    if len(out) == page_size:
-                        after = s.session_id
-                        break
-            else:  # the whole batch looked at, purged ids included
-                after = scanned
-        more = await self.store.has_more(after)
-        return out, (after if more else "")
-
-    async def watch(
-        self, session_id: str, request_id: str, from_version: int
-    ) -> AsyncIterator[Session]:
-        """The session's state (if newer than from_version), then each change, up to and
-        including a terminal state.
-
-        The stream subscribes before it reads, so a change made between the read and the
-        subscription cannot be lost; and it re-reads the session whenever it has heard
-        nothing for `watch_poll_ms`, so a missed feed entry costs latency, never a state.
-        """
-        if session_id:
-            check_id("session_id", session_id)
-        queue: asyncio.Queue[Session | None] = asyncio.Queue()
-        poll_s = self.settings.watch_poll_ms / 1000
-        key = session_id
-        if key:
-            await self._subscribe(key, queue, poll_s)
-        try:
-            s = await self._resolve(session_id, request_id)
-            if not key:
-                key = s.session_id
-                await self._subscribe(key, queue, poll_s)
-                s = await self._resolve(key, "")
-            last = from_version
-            while True:
-                if s.version > last:
-                    last = s.version
-                    yield s
-                if s.state.terminal:
-                    return
-                try:
-                    async with asyncio.timeout(poll_s):
-                        got = await queue.get()
-                    if got is None:
-                        raise Unavailable(
-                            f"kv broker stopping: watch again from version {last} "
-                            "(on another replica)"
-                        )
-                    s = got
-                except TimeoutError:
-                    fresh = await self.store.get(key)
-                    if fresh is None:
-                        raise NotFound("session", key) from None
-                    s = fresh
-        finally:
-            subs = self._watchers.get(key)
-            if subs is not None:
-                subs.discard(queue)
-                if not subs:
-                    del self._watchers[key]
-
-    async def _subscribe(
-        self, key: str, queue: asyncio.Queue[Session | None], wait_s: float
-    ) -> None:
-        """Registers a watcher and waits (up to wait_s) until the feed reader has its
-        position, so that the session read which follows cannot miss a change."""
-        self._watchers.setdefault(key, set()).add(queue)
-        if self._draining:
-            queue.put_nowait(None)
-        self._tail_wanted.set()
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(wait_s):
-                await self._tail_ready.wait()
-
     # -- background loops -------------------------------------------------------------------
 
     async def sweep_once(self) -> SweepResult:
@@ -687,40 +488,6 @@ class KvBrokerService:
                 log.warning("sweep_failed", error=str(exc))
             except Exception:  # a bug or a Redis refusal must not end the sweeps for good
                 log.exception("sweep_error")
-
-    async def _tail_feed(self) -> None:
-        """One blocking reader per replica feeds every WatchSession stream it serves.
-
-        It reads only while this replica has watchers (an idle reader would pay a Redis
-        reply per session change for nothing). When it starts it fixes its position at the
-        feed's last entry and then sets `_tail_ready`; a new watcher waits for that before
-        reading its session, so every change after that read is delivered."""
-        assert self._tail_client is not None
-        last: str | None = None
-        while True:
-            try:
-                if not self._watchers:
-                    last = None
-                    self._tail_ready.clear()
-                    await self._tail_wanted.wait()
-                    self._tail_wanted.clear()
-                    continue
-                if last is None:
-                    last = await self.store.feed_last_id()
-                    self._tail_ready.set()
-                entries = await self.store.feed_block(self._tail_client, last, 500)
-                for entry_id, sid, fields in entries:
-                    last = entry_id
-                    queues = self._watchers.get(sid)
-                    if queues:
-                        s = decode_session(fields)
-                        for q in list(queues):
-                            q.put_nowait(s)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # Redis away: retry; watchers poll meanwhile
-                log.warning("feed_tail_failed", error=str(exc))
-                await asyncio.sleep(0.5)
 
 
 @contextlib.asynccontextmanager

@@ -11,7 +11,8 @@ from hpd_common.clock import Clock, SystemClock
 from hpd_common.errors import InvalidArgument
 from hpd_common.server import GrpcServer, serve_main
 from hpd_registry.api import RegistryComponent
-from hpd_registry.service import RegistryService, RegistrySettings
+from hpd_registry.service import RegistryService
+from hpd_registry.settings import RegistrySettings
 
 
 def build_server(

@@ -16,12 +16,9 @@ from hpd_common.errors import InvalidArgument, PermissionDenied
 from hpd_common.server import ServiceComponent
 from hpd_registry import convert as cv
 from hpd_registry.domain import Health, LoadReport, Stage, WorkerFilter
-from hpd_registry.service import (
-    HeartbeatInput,
-    LeaseInfo,
-    RegistryService,
-    WatchEvent,
-)
+from hpd_registry.feed import WatchEvent
+from hpd_registry.heartbeats import HeartbeatInput, LeaseInfo
+from hpd_registry.service import RegistryService
 
 SERVICE_NAME = r.DESCRIPTOR.services_by_name["RegistryService"].full_name
 

@@ -14,7 +14,8 @@ from hpd_common.server import GrpcServer, serve_main
 from hpd_scheduler import processes
 from hpd_scheduler.api import SchedulerComponent
 from hpd_scheduler.broker_client import GrpcKvBroker, KvSessionOpener
-from hpd_scheduler.service import SchedulerService, SchedulerSettings
+from hpd_scheduler.service import SchedulerService
+from hpd_scheduler.settings import SchedulerSettings
 
 
 def build_server(

@@ -15,9 +15,11 @@ from google.protobuf import struct_pb2
 
 from hetero_pd.v1 import scheduler_pb2 as s
 from hpd_common.errors import InvalidArgument
+from hpd_scheduler.directives import Recommendations
 from hpd_scheduler.policy import Request
 from hpd_scheduler.policy.domain import MAX_PREFIX_BLOCK_TOKENS, MAX_PREFIX_BLOCKS
-from hpd_scheduler.service import PolicyState, Recommendations, RecordQuery
+from hpd_scheduler.record_queries import RecordQuery
+from hpd_scheduler.settings import PolicyState
 from hpd_scheduler.store import UNREADABLE_EXPLANATION, StoredRecord
 
 ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")

@@ -291,6 +291,7 @@ class Fuzzer:
 
     # -- the methods and their valid requests -----------------------------------------------
 
+    # size: one entry per RPC of every service, a table read as one list
     def methods(self) -> dict[str, tuple[Callable[[], Message], Callable[[Message], Any]]]:
         sd = self.seeds
 

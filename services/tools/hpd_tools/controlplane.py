@@ -201,11 +201,11 @@ class ControlPlane:
 
     async def start(self) -> None:
         from hpd_kvbroker.__main__ import build_server as build_kvbroker
-        from hpd_kvbroker.service import KvBrokerSettings
+        from hpd_kvbroker.settings import KvBrokerSettings
         from hpd_registry.__main__ import build_server as build_registry
-        from hpd_registry.service import RegistrySettings
+        from hpd_registry.settings import RegistrySettings
         from hpd_scheduler.__main__ import build_server as build_scheduler
-        from hpd_scheduler.service import SchedulerSettings
+        from hpd_scheduler.settings import SchedulerSettings
 
         s = self.settings
         self.registry = build_registry(

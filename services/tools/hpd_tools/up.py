@@ -123,9 +123,9 @@ def _auth(args: argparse.Namespace) -> tuple[str, str]:
 
 
 async def _serve(args: argparse.Namespace, redis_url: str) -> None:
-    from hpd_kvbroker.service import KvBrokerSettings
-    from hpd_registry.service import RegistrySettings
-    from hpd_scheduler.service import SchedulerSettings
+    from hpd_kvbroker.settings import KvBrokerSettings
+    from hpd_registry.settings import RegistrySettings
+    from hpd_scheduler.settings import SchedulerSettings
 
     reg, kvb, sch = RegistrySettings(), KvBrokerSettings(), SchedulerSettings()
     tokens_file, service_token = _auth(args)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from hpd_agent.engines import ModelGeometry
+from hpd_agent.model_config import ModelGeometry
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "engines"
 

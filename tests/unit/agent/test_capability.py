@@ -17,16 +17,18 @@ from hpd_agent.capability import (
     config_revision,
     host_port,
 )
-from hpd_agent.engines import EngineFacts, ModelGeometry, SglangAdapter, VllmAdapter
+from hpd_agent.engines import EngineFacts, SglangAdapter, VllmAdapter
+from hpd_agent.model_config import ModelGeometry
 from hpd_common.errors import InvalidArgument
 from hpd_common.kvformat import KvDtype, KvFormat, KvLayout
-from hpd_registry.domain import NetworkLocation, Stage, WorkerSpec, validate_spec
+from hpd_registry.domain import NetworkLocation, Stage, WorkerSpec
+from hpd_registry.validation import validate_spec
 from tests.unit.agent.recorded import TINY, TINY_KV_BYTES, read_bytes, sglang_answers, vllm_answers
 
 CONFIG = read_bytes("vllm", "model_config.json")
 REVISION = "cfg-" + hashlib.sha256(CONFIG).hexdigest()[:12]
 VLLM_FACTS = VllmAdapter().facts(vllm_answers(), TINY)
-# the recorded model's size from its config.json (hpd_agent.engines.model_size_from_config)
+# the recorded model's size from its config.json (hpd_agent.model_config.model_size_from_config)
 MODEL_SIZE = (("model-attention-width", "128"), ("model-params", "557056"))
 SGLANG_FACTS = SglangAdapter().facts(sglang_answers(), TINY)
 

@@ -12,15 +12,13 @@ from hpd_agent.engines import (
     ADAPTERS,
     EngineError,
     EngineFacts,
-    ModelGeometry,
     SglangAdapter,
     VllmAdapter,
     adapter_for,
-    geometry_from_config,
     kv_dtype_from_bytes,
-    model_size_from_config,
     parse_metrics,
 )
+from hpd_agent.model_config import ModelGeometry, geometry_from_config, model_size_from_config
 from hpd_common.kvformat import KvDtype, KvLayout
 from tests.unit.agent.recorded import (
     TINY,

@@ -11,7 +11,8 @@ import pytest
 
 from hpd_agent.engines import EngineSample, SglangAdapter, VllmAdapter
 from hpd_agent.load import LoadTracker, histogram_quantile
-from hpd_registry.domain import LoadReport, validate_load
+from hpd_registry.domain import LoadReport
+from hpd_registry.validation import validate_load
 from tests.unit.agent.recorded import read
 
 NOW = 1_700_000_000_000

@@ -6,7 +6,8 @@ from typing import Any
 
 import pytest
 
-from hpd_common.auth import Principal, Role, TokenBook, certificate_names, hash_token
+from hpd_common.auth import Principal, Role, TokenBook, hash_token
+from hpd_common.auth_interceptor import certificate_names
 from hpd_common.errors import InvalidArgument
 
 TOKEN = "a-gateway-token-of-length"

@@ -14,9 +14,12 @@ import pytest
 import redis.asyncio as aioredis
 
 from hpd_common.clock import SystemClock
-from hpd_kvbroker.service import KvBrokerService, KvBrokerSettings
-from hpd_registry.service import RegistryService, RegistrySettings
-from hpd_scheduler.service import SchedulerService, SchedulerSettings
+from hpd_kvbroker.service import KvBrokerService
+from hpd_kvbroker.settings import KvBrokerSettings
+from hpd_registry.service import RegistryService
+from hpd_registry.settings import RegistrySettings
+from hpd_scheduler.service import SchedulerService
+from hpd_scheduler.settings import SchedulerSettings
 
 
 class Flaky:

@@ -9,7 +9,7 @@ import pytest
 
 from hpd_common.errors import InvalidArgument
 from hpd_common.settings import add_arguments, load_settings
-from hpd_registry.service import RegistrySettings
+from hpd_registry.settings import RegistrySettings
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -72,9 +72,9 @@ def test_missing_config_file_is_named(tmp_path: Path) -> None:
 def test_the_redis_memory_limit_is_checked_for_every_service(ratio: float) -> None:
     """The setting is every service's (the broker refuses sessions by it as the scheduler
     refuses plans), so every service refuses a value outside [0, 1) at start, naming it."""
-    from hpd_kvbroker.service import KvBrokerSettings
-    from hpd_registry.service import RegistrySettings
-    from hpd_scheduler.service import SchedulerSettings
+    from hpd_kvbroker.settings import KvBrokerSettings
+    from hpd_registry.settings import RegistrySettings
+    from hpd_scheduler.settings import SchedulerSettings
 
     for cls in (KvBrokerSettings, RegistrySettings, SchedulerSettings):
         with pytest.raises(InvalidArgument) as err:

@@ -221,6 +221,48 @@ def test_filter_reports_a_reason_per_dropped_worker() -> None:
     assert isinstance(Candidate(index.workers[0], Role.DECODE, request(), 1024).score, float)
 
 
+def test_the_planner_filters_with_the_profiles_own_filter_objects() -> None:
+    """Production's filter stage holds the very `Filter` instances the profile built (the
+    ones tests call), and drops exactly what their chain drops, with the same reasons."""
+    prof = builtin_profile("default")
+    planner = Planner(prof)
+    for role, side in ((Role.PREFILL, prof.prefill), (Role.DECODE, prof.decode)):
+        assert planner.preselection.filters[role] == side.filters
+        pairs = zip(planner.preselection.filters[role], side.filters, strict=True)
+        assert all(a is b for a, b in pairs)
+    fleet = Fleet.build(
+        [
+            worker("p", Stage.PREFILL),
+            worker("full", kv_free_gib=0.01),
+            worker("roomy"),
+            worker("stale", reported_at=1.0),
+        ],
+        NOW,
+    )
+    index = fleet.index("llama-3-8b", Role.DECODE)
+    assert index is not None
+    ctx = RequestContext(
+        request(), prof.tier("standard"), ResourceNeed.PREFILL, NOW, fleet, None, index
+    )
+    chain = planner.preselection.filter(index.workers, Role.DECODE, ctx)
+    # the chain, filter by filter, as a test applies each one
+    expected_kept = list(index.workers)
+    expected_dropped: dict[str, str] = {}
+    for f in prof.decode.filters:
+        step = f.filter(expected_kept, Role.DECODE, ctx)
+        expected_kept = step.kept
+        expected_dropped.update(step.dropped)
+    assert [w.worker_id for w in chain.kept] == [w.worker_id for w in expected_kept]
+    assert chain.dropped == expected_dropped and "full" in chain.dropped
+    # and a plan over the same fleet records those drops and picks among the kept
+    decision = planner.plan(request(), fleet, NOW, random.Random(0))
+    recorded = {w: r for w, _pool, r in decision.record.rejected_workers}
+    assert {w: r for w, r in recorded.items() if w in chain.dropped} == chain.dropped
+    assert decision.plan is not None and decision.plan.decode_worker_id in {
+        w.worker_id for w in chain.kept
+    }
+
+
 def _baseline_fleet() -> Fleet:
     return Fleet.build(
         [worker("p", Stage.PREFILL, rack="r1")]

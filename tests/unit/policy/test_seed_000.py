@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 from hpd_scheduler.policy.errors import InvalidInputError
-from hpd_scheduler.policy.seed000 import (
+
+from .seed000 import (
     build_route_record,
     choose_handoff_mode,
     classify_resource_need,

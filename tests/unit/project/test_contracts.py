@@ -73,7 +73,7 @@ EDGE = {
     "grpc_client.py",
     "agent.py",
     "control_client.py",
-    "auth.py",  # the servers' token check (an interceptor)
+    "auth_interceptor.py",  # the servers' token check (an interceptor)
     "channels.py",  # every client channel, with its identity
 }
 

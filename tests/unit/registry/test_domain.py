@@ -20,9 +20,8 @@ from hpd_registry.domain import (
     WorkerState,
     derive_health,
     summarize_pools,
-    validate_load,
-    validate_spec,
 )
+from hpd_registry.validation import validate_load, validate_spec
 
 NOW = 1_700_000_000_000
 

@@ -16,8 +16,9 @@ from hpd_scheduler.policy import ConfigError, Health, Mode
 from hpd_scheduler.policy import Stage as PStage
 from hpd_scheduler.policy.decision import Estimates, FallbackStep, RoutePlan
 from hpd_scheduler.policy.domain import ResourceNeed
+from hpd_scheduler.record_queries import RecordQuery
 from hpd_scheduler.records import as_recompute
-from hpd_scheduler.service import RecordQuery, parse_policy, profile_document
+from hpd_scheduler.settings import parse_policy, profile_document
 from hpd_scheduler.views import health_of, link_model, view_of
 
 PLAN = {

@@ -25,15 +25,7 @@ from .balance import (
     rebalance_plan,
 )
 from .capacity import StalenessPolicy, confidence
-from .config import (
-    Profile,
-    SideSpec,
-    SloObjective,
-    builtin_profile,
-    builtin_profile_names,
-    load_profile,
-    parse_profile,
-)
+from .config import Profile, SideSpec, SloObjective
 from .decision import Decision, DecisionRecord, Estimates, FallbackStep, RejectClass, RoutePlan
 from .domain import (
     SCHEDULABLE_HEALTH,
@@ -50,13 +42,15 @@ from .domain import (
     WorkerView,
 )
 from .errors import ConfigError, InvalidInputError, PolicyError, UnknownPluginError
-from .fleet import Fleet, PromptMix, WorkerState
+from .fleet import Fleet, WorkerState
 from .framework import Candidate, Filter, FilterResult, Option, Picker, PluginRegistry, Scorer
 from .links import Link, LinkModel, Locality
-from .mechanisms import choose_handoff, classify_need, evaluate_capability, route_with_fallback
+from .mechanisms import classify_need
 from .planner import Planner, apply_reservations, release_reservations
 from .plugins import REGISTRY
+from .profile_loader import builtin_profile, builtin_profile_names, load_profile, parse_profile
 from .serving import DEFAULT_LADDER, Action, LadderStep, Protects, ServingAction, select_action
+from .worker_state import PromptMix
 
 __all__ = [
     "DEFAULT_LADDER",
@@ -113,15 +107,12 @@ __all__ = [
     "apply_reservations",
     "builtin_profile",
     "builtin_profile_names",
-    "choose_handoff",
     "classify_need",
     "confidence",
     "detect_imbalance",
-    "evaluate_capability",
     "load_profile",
     "parse_profile",
     "rebalance_plan",
     "release_reservations",
-    "route_with_fallback",
     "select_action",
 ]

@@ -48,22 +48,20 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from typing import Any
 
-from .config import Profile, SloObjective
+from .config import Profile
 from .decision import (
     Decision,
     DecisionRecord,
-    Estimates,
-    FallbackStep,
     RejectClass,
-    RoutePlan,
 )
-from .domain import DecisionKind, Mode, Request, ResourceNeed, Role, Stage, Tier
-from .fleet import Fleet, ModelIndex, WorkerState
+from .domain import DecisionKind, Mode, Request, ResourceNeed, Role, Tier
+from .fleet import Fleet, ModelIndex
 from .framework import Candidate, Option, RequestContext
 from .mechanisms import classify_need
-from .prefix import matched_blocks
+from .pairing import Pairing, own_ms
+from .preselect import Preselection
+from .results import fallback_chain, plan_of
 from .serving import Action, Protects, ServingAction, select_action
 
 __all__ = ["Planner"]
@@ -74,122 +72,39 @@ _REJECT_INCAPABLE = ServingAction(Action.REJECT, Protects.NOTHING)
 _REJECT_SATURATED = ServingAction(Action.REJECT, Protects.LATENCY)
 
 
-PREFIX_HOLDERS = 2
-"""Holders of the longest prefixes that take the last places of a role's top k: the two
-longest matches (a shorter one saves less), in place of the preselection's last ones
-rather than beside them, since each extra candidate adds a row of pairs to the joint
-search (measured: k extra holders nearly doubled a decision's p99 at 256 workers with
-8k-token prompts, bench/kv_index.py)."""
-
-
-def prefix_matches(ctx: RequestContext) -> dict[int, int]:
-    """Per worker (snapshot index) holding the request's first block, how many blocks of its
-    chain it holds in a row; once per plan. With the index's heads (``Fleet.prefix_heads``)
-    only the holders of the first block are looked at, else every worker."""
-    got = ctx.matched
-    if got is not None:
-        return got
-    out: dict[int, int] = {}
-    req = ctx.request
-    chain = req.prefix_blocks
-    if chain:
-        head = chain[0]
-        bt = req.prefix_block_tokens
-        fleet = ctx.fleet
-        heads = fleet.prefix_heads
-        pool: list[WorkerState] = []
-        if heads is not None:
-            for wid in heads.get(head, ()):
-                ws = fleet.by_id.get(wid)
-                if ws is not None:
-                    pool.append(ws)
-        else:
-            pool = fleet.states
-        for ws in pool:
-            held = ws.held
-            if held is None or ws.held_block_tokens != bt or head not in held:
-                continue
-            n = matched_blocks(chain, held)
-            if n:
-                out[ws.idx] = n
-    ctx.matched = out
-    return out
-
-
-def _prefix_holders(
-    fleet: Fleet,
-    index: ModelIndex,
-    matches: dict[int, int],
-    k: int,
-    kept: list[WorkerState],
-    drop: Callable[[WorkerState], str | None],
-) -> list[WorkerState]:
-    """Up to ``k`` workers of ``index`` that preselection left out, holding the longest
-    prefixes of the request's chain (a preselection by capacity or load knows nothing of
-    caches; KV-aware routers look at every holder)."""
-    if not matches:
-        return []
-    seen = {ws.idx for ws in kept}
-    found: list[tuple[int, int, WorkerState]] = []
-    states = fleet.states
-    for idx, n in matches.items():
-        if idx in seen:
-            continue
-        ws = states[idx]
-        if ws.view.model_id != index.model_id or not ws.view.stage.serves(index.role):
-            continue
-        found.append((-n, idx, ws))
-    found.sort(key=lambda row: (row[0], row[1]))
-    out: list[WorkerState] = []
-    for _, _, ws in found:
-        if len(out) >= k:
-            break
-        if drop(ws) is None:
-            out.append(ws)
-    return out
-
-
 class Planner:
-    """Runs one :class:`~.config.Profile`. Holds only the round-robin cursors (state the
-    round-robin baseline needs); everything else comes in per call."""
+    """Runs one :class:`~.config.Profile` through its stages: `preselection` (filter and
+    score, `preselect.py`), `pairing` (options and their scores, `pairing.py`), then the
+    limits, the profile's picker and the serving-action ladder here. Holds only the
+    round-robin cursors (in `preselection`: state the round-robin baseline needs);
+    everything else comes in per call."""
 
-    __slots__ = (
-        "_cursor",
-        "_dp",
-        "_drops",
-        "_ds",
-        "_inv_wd",
-        "_inv_wp",
-        "_pp",
-        "_ps",
-        "_weights",
-        "profile",
-    )
+    __slots__ = ("_weights", "pairing", "preselection", "profile")
 
     def __init__(self, profile: Profile) -> None:
         self.profile = profile
-        self._cursor: dict[tuple[str, Role], int] = {}
-        self._pp = [(s, w) for s, w in profile.prefill.scorers if s.pairwise]
-        self._dp = [(s, w) for s, w in profile.decode.scorers if s.pairwise]
-        # the pair-independent scorers of each side, (bound score method, name, weight), in
-        # profile order
-        self._ps = [(s.score, s.name, w) for s, w in profile.prefill.scorers if not s.pairwise]
-        self._ds = [(s.score, s.name, w) for s, w in profile.decode.scorers if not s.pairwise]
-        self._inv_wp = 1.0 / profile.prefill.total_weight
-        self._inv_wd = 1.0 / profile.decode.total_weight
-        # per role: the filters' bound drop_reason methods (looked up once, not per worker)
-        self._drops = {
-            Role.PREFILL: tuple(f.drop_reason for f in profile.prefill.filters),
-            Role.DECODE: tuple(f.drop_reason for f in profile.decode.filters),
-        }
+        self.preselection = Preselection(profile)
+        self.pairing = Pairing(profile, self.preselection)
         # every record shares these (records only read them)
         self._weights = (profile.prefill.weights(), profile.decode.weights())
+
+    def pair_factors(self, o: Option, ctx: RequestContext) -> dict[str, float]:
+        """The pairwise factor values of an option (`Pairing.pair_factors`)."""
+        return self.pairing.pair_factors(o, ctx)
 
     # -- public -------------------------------------------------------------------------------
 
     def plan(self, request: Request, fleet: Fleet, now_s: float, rng: random.Random) -> Decision:
         """Decide where ``request`` runs. Raises :class:`~.errors.InvalidInputError` for a bad
-        request or unknown tier; every other outcome (including reject) is a Decision."""
+        request or unknown tier; every other outcome (including reject) is a Decision.
+
+        The stages, in order: filter and score each side's workers
+        (`Preselection.candidates`: the profile's `Filter` plugins, then its
+        pair-independent `Scorer` plugins); pair them (`Pairing.joint` or
+        `Pairing.independent`); keep the options within the tier's TTFT limits
+        (`_within_limits`); rank (the profile's `Picker`); apply the serving-action ladder
+        (`_ladder_refusal`, `_shared_fallback`); honour a preferred pool (`_preferred`);
+        turn the first option into the plan and the rest into its fallback chain."""
         prof = self.profile
         request.validate()
         tier = prof.tier(request.tier)
@@ -204,66 +119,148 @@ class Planner:
         ctx = RequestContext(request, tier, need, now_s, fleet, pidx, didx)
         pressure = fleet.memory_pressure(request.model_id)
         wp, wd = prof.side_weights[need]
+        record = self._new_record(tier, pressure, (wp, wd), didx)
+        if didx is None or not didx.workers:
+            return self._reject_no_worker(request, need, pidx is not None, didx, record)
+
+        colocated = prof.pairing == "colocated"
+        sides = self._candidates(pidx, didx, ctx, rng, record)
+        if isinstance(sides, Decision):
+            return sides
+        pcands, dcands = sides
+        if prof.pairing == "independent":
+            options = self.pairing.independent(pcands, dcands, ctx, rng)
+        else:
+            options = self.pairing.joint(pcands, dcands, ctx, wp, wd, colocated)
+        record.options = options
+        if self.pairing.pairwise:
+            record.explain = lambda o: self.pairing.pair_factors(o, ctx)
+
+        kept = self._within_limits(options, request, need, tier, record)
+        if isinstance(kept, Decision):
+            return kept
+        # independent mode returns its options already in picker order
+        ranked = kept if prof.pairing == "independent" else prof.picker.rank(kept, rng)
+
+        best = ranked[0]
+        action = select_action(pressure, best.p.wait_ms, tier.queue_budget_ms, prof.ladder)
+        refused = self._ladder_refusal(action, request, need, tier, record)
+        if refused is not None:
+            return refused
+        kind = DecisionKind.PRIMARY
+        if action.took(Action.FALLBACK_TO_SHARED):
+            kind, ranked = self._shared_fallback(ranked, didx, ctx, rng, record, (wp, wd))
+        if request.preferred_pool:
+            kind, ranked = self._preferred(request.preferred_pool, ranked, kind, record)
+
+        chosen = ranked[0]
+        plan = plan_of(chosen, request, need)
+        chain = fallback_chain(chosen, ranked[1:], tier, self.profile.chain_length)
+        return Decision(
+            request_id=request.request_id,
+            kind=kind,
+            resource_need=need,
+            action=action,
+            plan=plan,
+            fallbacks=chain,
+            reject_reasons=(),
+            reject_class=None,
+            retry_after_ms=None,
+            record=record,
+        )
+
+    def _new_record(
+        self,
+        tier: Tier,
+        pressure: float,
+        side_weights: tuple[float, float],
+        didx: ModelIndex | None,
+    ) -> DecisionRecord:
+        """The decision's record, with the decode pools and workers the fleet's static
+        gates dropped already."""
         record = DecisionRecord(
-            profile=prof.name,
+            profile=self.profile.name,
             tier=tier.name,
             memory_pressure=pressure,
             prefill_weights=self._weights[0],
             decode_weights=self._weights[1],
-            side_weights=(wp, wd),
+            side_weights=side_weights,
         )
         if didx is not None:
             record.rejected_pools.update(didx.rejected_pools())
             record.rejected_workers.extend(didx.static_drops[:64])
-        if didx is None or not didx.workers:
-            # say what is missing: the model has no worker at all, or prefill workers only
-            if didx is not None:
-                reason = "no_executable_pool"
-            elif pidx is not None:
-                reason = "no_decode_worker_for_model"
-            else:
-                reason = "no_worker_for_model"
-            return self._reject(
-                request,
-                need,
-                _REJECT_INCAPABLE,
-                (reason, "no_executable_pool") if reason != "no_executable_pool" else (reason,),
-                RejectClass.NO_CAPABLE_WORKER,
-                None,
-                record,
-            )
+        return record
 
+    def _candidates(
+        self,
+        pidx: ModelIndex | None,
+        didx: ModelIndex,
+        ctx: RequestContext,
+        rng: random.Random,
+        record: DecisionRecord,
+    ) -> tuple[list[Candidate], list[Candidate]] | Decision:
+        """Filter and score each side (prefill candidates, decode candidates), or the
+        refusal when no decode worker is left."""
+        prof = self.profile
         colocated = prof.pairing == "colocated"
-        dcands = self._preselect(didx, Role.DECODE, ctx, rng, record, colocated)
+        dcands = self.preselection.candidates(didx, Role.DECODE, ctx, rng, record, colocated)
         pcands: list[Candidate] = []
         if prof.pairing != "colocated" and pidx is not None and pidx.workers:
-            pcands = self._preselect(pidx, Role.PREFILL, ctx, rng, record, False)
+            pcands = self.preselection.candidates(pidx, Role.PREFILL, ctx, rng, record, False)
         record.decode_candidates = dcands
         record.prefill_candidates = pcands
-
         if not dcands:
             cls = RejectClass.SATURATED
             if colocated and not didx.shared:
                 cls = RejectClass.NO_CAPABLE_WORKER
             return self._reject(
-                request,
-                need,
+                ctx.request,
+                ctx.need,
                 _REJECT_INCAPABLE if cls == RejectClass.NO_CAPABLE_WORKER else _REJECT_SATURATED,
                 ("no_executable_pool",),
                 cls,
-                self._retry_ms(tier),
+                self._retry_ms(ctx.tier),
                 record,
             )
+        return pcands, dcands
 
-        if prof.pairing == "independent":
-            options = self._independent(pcands, dcands, ctx, rng)
+    def _reject_no_worker(
+        self,
+        request: Request,
+        need: ResourceNeed,
+        has_prefill: bool,
+        didx: ModelIndex | None,
+        record: DecisionRecord,
+    ) -> Decision:
+        """No decode worker can run the model: say what is missing (the model has no worker
+        at all, or prefill workers only, or none executable)."""
+        if didx is not None:
+            reason = "no_executable_pool"
+        elif has_prefill:
+            reason = "no_decode_worker_for_model"
         else:
-            options = self._joint(pcands, dcands, ctx, wp, wd, colocated)
-        record.options = options
-        if self._pp or self._dp:
-            record.explain = lambda o: self.pair_factors(o, ctx)
+            reason = "no_worker_for_model"
+        return self._reject(
+            request,
+            need,
+            _REJECT_INCAPABLE,
+            (reason, "no_executable_pool") if reason != "no_executable_pool" else (reason,),
+            RejectClass.NO_CAPABLE_WORKER,
+            None,
+            record,
+        )
 
-        # TTFT limits: the tier's hard one, then admission past capacity
+    def _within_limits(
+        self,
+        options: list[Option],
+        request: Request,
+        need: ResourceNeed,
+        tier: Tier,
+        record: DecisionRecord,
+    ) -> list[Option] | Decision:
+        """The options within the TTFT limits (the tier's hard one, then admission past
+        capacity), or the refusal when none is."""
+        prof = self.profile
         limits: list[tuple[str, str, float, Callable[[Option], bool]]] = []
         hard = tier.hard_ttft_ms
         if hard is not None:
@@ -281,7 +278,7 @@ class Planner:
                     "admission",
                     "ttft_over_admission_limit",
                     limit,
-                    lambda o: o.ttft_ms <= limit or o.ttft_ms <= 2.0 * _own_ms(o),
+                    lambda o: o.ttft_ms <= limit or o.ttft_ms <= 2.0 * own_ms(o),
                 )
             )
         for kind_of, reason, bound, keep in limits:
@@ -301,14 +298,18 @@ class Planner:
                     record,
                 )
             options = ok
+        return options
 
-        # independent mode returns its options already in picker order
-        ranked = options if prof.pairing == "independent" else prof.picker.rank(options, rng)
-
-        best = ranked[0]
-        action = select_action(pressure, best.p.wait_ms, tier.queue_budget_ms, prof.ladder)
-
-        # the ladder, in order: shed, throttle (refusals), then the shared-pool fallback
+    def _ladder_refusal(
+        self,
+        action: ServingAction,
+        request: Request,
+        need: ResourceNeed,
+        tier: Tier,
+        record: DecisionRecord,
+    ) -> Decision | None:
+        """The ladder's refusals, in order: shed (the lowest sheddable tier), throttle."""
+        prof = self.profile
         if (
             action.took(Action.SHED_LOWEST_TIER)
             and tier.may_shed
@@ -333,387 +334,57 @@ class Planner:
                 self._retry_ms(tier),
                 record,
             )
+        return None
 
-        kind = DecisionKind.PRIMARY
-        if action.took(Action.FALLBACK_TO_SHARED):
-            shared = [o for o in ranked if o.mode is Mode.SAME_POOL]
-            if not shared and didx.shared and not colocated:
-                # the shared pool was not among the top-k: preselect within it (bounded)
-                scands = self._preselect(didx, Role.DECODE, ctx, rng, record, True, False)
-                extra = self._joint([], scands, ctx, wp, wd, True)
-                if hard is not None:
-                    extra = [o for o in extra if o.ttft_ms <= hard]
-                shared = prof.picker.rank(extra, rng)
-                record.options.extend(extra)
-            if shared:
-                if shared[0] is not ranked[0]:
-                    kind = DecisionKind.REROUTE
-                ranked = shared + [o for o in ranked if o.mode is not Mode.SAME_POOL]
-            else:
-                record.notes.append("no_shared_pool")
-
-        if request.preferred_pool:
-            preferred = [o for o in ranked if o.d.ws.pool_id == request.preferred_pool]
-            if preferred:
-                ranked = preferred + [o for o in ranked if o.d.ws.pool_id != request.preferred_pool]
-            else:
-                kind = DecisionKind.REROUTE
-                reasons = record.rejected_pools.get(request.preferred_pool)
-                if reasons is None:
-                    drops = {
-                        r for w, p, r in record.rejected_workers if p == request.preferred_pool
-                    }
-                    reasons = tuple(sorted(drops)) or ("not_selected",)
-                    record.rejected_pools[request.preferred_pool] = reasons
-
-        chosen = ranked[0]
-        plan = self._plan_of(chosen, request, need)
-        chain = self._chain(chosen, ranked[1:], tier)
-        return Decision(
-            request_id=request.request_id,
-            kind=kind,
-            resource_need=need,
-            action=action,
-            plan=plan,
-            fallbacks=chain,
-            reject_reasons=(),
-            reject_class=None,
-            retry_after_ms=None,
-            record=record,
-        )
-
-    # -- stages -------------------------------------------------------------------------------
-
-    def _preselect(
+    def _shared_fallback(
         self,
-        index: ModelIndex,
-        role: Role,
+        ranked: list[Option],
+        didx: ModelIndex,
         ctx: RequestContext,
         rng: random.Random,
         record: DecisionRecord,
-        colocated: bool,
-        record_drops: bool = True,
-    ) -> list[Candidate]:
+        side_weights: tuple[float, float],
+    ) -> tuple[DecisionKind, list[Option]]:
+        """The ladder's last rung: same-pool options first (found within the shared pool
+        when none was among the top-k), a reroute when that changes the first choice."""
         prof = self.profile
-        filters = self._drops[role]
-        k = prof.top_k_prefill if role is Role.PREFILL else prof.top_k_decode
-
-        def drop(ws: WorkerState) -> str | None:
-            if colocated and ws.view.stage is not Stage.BOTH:
-                return "not_colocated"
-            for drop_reason in filters:
-                reason = drop_reason(ws, role, ctx)
-                if reason is not None:
-                    return reason
-            return None
-
-        mode = prof.preselect
-        dropped: list[tuple[WorkerState, str]]
-        if mode in ("capacity", "blind"):
-            kept, dropped, truncated = ctx.fleet.top_k(index, mode, k, drop, prof.max_scan)
-            if truncated:
-                record.notes.append(f"{role.value}_scan_truncated_at_{prof.max_scan}")
+        colocated = prof.pairing == "colocated"
+        hard = ctx.tier.hard_ttft_ms
+        kind = DecisionKind.PRIMARY
+        shared = [o for o in ranked if o.mode is Mode.SAME_POOL]
+        if not shared and didx.shared and not colocated:
+            # the shared pool was not among the top-k: preselect within it (bounded)
+            scands = self.preselection.candidates(didx, Role.DECODE, ctx, rng, record, True, False)
+            extra = self.pairing.joint([], scands, ctx, side_weights[0], side_weights[1], True)
+            if hard is not None:
+                extra = [o for o in extra if o.ttft_ms <= hard]
+            shared = prof.picker.rank(extra, rng)
+            record.options.extend(extra)
+        if shared:
+            if shared[0] is not ranked[0]:
+                kind = DecisionKind.REROUTE
+            ranked = shared + [o for o in ranked if o.mode is not Mode.SAME_POOL]
         else:
-            kept, dropped = self._scan_order(index, role, ctx, rng, k, drop, mode)
-        matches: dict[int, int] | None = None
-        if ctx.request.prefix_blocks:
-            matches = prefix_matches(ctx)
-            holders = _prefix_holders(ctx.fleet, index, matches, PREFIX_HOLDERS, kept, drop)
-            if holders:  # they take the last places: the pair search stays k x k
-                kept = kept[: max(1, len(kept) - len(holders))] + holders
-        if record_drops:
-            for ws, reason in dropped[:64]:
-                record.rejected_workers.append((ws.worker_id, ws.pool_id, reason))
+            record.notes.append("no_shared_pool")
+        return kind, ranked
 
-        ref = ctx.fleet.ref_tokens
-        request = ctx.request
-        static = self._ps if role is Role.PREFILL else self._ds
-        out: list[Candidate] = []
-        for ws in kept:
-            # a worker found by the prefix search has its match; any other checks its own
-            # cache (one lookup when it does not hold the first block)
-            c = Candidate(
-                ws, role, request, ref, -1 if matches is None else matches.get(ws.idx, -1)
-            )
-            total = 0.0
-            factors = c.factors
-            for score, name, weight in static:
-                v = score(c, ctx)
-                factors[name] = v
-                total += weight * v
-            c.score = total
-            out.append(c)
-        return out
+    @staticmethod
+    def _preferred(
+        pool: str, ranked: list[Option], kind: DecisionKind, record: DecisionRecord
+    ) -> tuple[DecisionKind, list[Option]]:
+        """The request's preferred pool first; a reroute (with the pool's reasons in the
+        record) when no option is in it."""
+        preferred = [o for o in ranked if o.d.ws.pool_id == pool]
+        if preferred:
+            return kind, preferred + [o for o in ranked if o.d.ws.pool_id != pool]
+        reasons = record.rejected_pools.get(pool)
+        if reasons is None:
+            drops = {r for w, p, r in record.rejected_workers if p == pool}
+            reasons = tuple(sorted(drops)) or ("not_selected",)
+            record.rejected_pools[pool] = reasons
+        return DecisionKind.REROUTE, ranked
 
-    def _scan_order(
-        self,
-        index: ModelIndex,
-        role: Role,
-        ctx: RequestContext,
-        rng: random.Random,
-        k: int,
-        drop: Any,
-        mode: str,
-    ) -> tuple[list[WorkerState], list[tuple[WorkerState, str]]]:
-        workers = index.workers
-        n = len(workers)
-        prof = self.profile
-        if mode == "all":
-            order = range(n)
-            limit = n
-        elif mode == "rotation":
-            key = (index.model_id, role)
-            start = self._cursor.get(key, 0)
-            self._cursor[key] = (start + 1) % max(n, 1)
-            order = range(start, start + n)
-            limit = min(prof.max_scan, n)
-        else:
-            # random: a uniformly random start, then the next workers; the random picker
-            # shuffles the window, so every worker is equally likely to come first
-            start = rng.randrange(n) if n else 0
-            order = range(start, start + n)
-            limit = min(prof.max_scan, n)
-        kept: list[WorkerState] = []
-        dropped: list[tuple[WorkerState, str]] = []
-        for scanned, i in enumerate(order):
-            if scanned >= limit or (mode != "all" and len(kept) >= k):
-                break
-            ws = workers[i % n]
-            reason = drop(ws)
-            if reason is None:
-                kept.append(ws)
-            else:
-                dropped.append((ws, reason))
-        return kept, dropped
-
-    def _local(self, d: Candidate, ctx: RequestContext, face: Candidate | None = None) -> Option:
-        """Prefill on the decode worker itself: SAME_POOL if it serves both stages, else
-        RECOMPUTE. Its prefill-side face is scored like any prefill candidate; ``face`` is
-        that candidate when the caller already holds it, unmodified, from the prefill
-        preselection (the same worker, request and scorers give the same values)."""
-        if face is None:
-            face = Candidate(d.ws, Role.PREFILL, ctx.request, ctx.fleet.ref_tokens)
-            total = 0.0
-            factors = face.factors
-            for score, name, weight in self._ps:
-                v = score(face, ctx)
-                factors[name] = v
-                total += weight * v
-            face.score = total
-        mode = Mode.SAME_POOL if d.ws.view.stage is Stage.BOTH else Mode.RECOMPUTE
-        return Option(face, d, mode, 0.0, face.run_ms, 0.0, face.wait_ms + face.run_ms)
-
-    def _pair_score(
-        self, o: Option, transfer: float | None, ctx: RequestContext, wp: float, wd: float
-    ) -> None:
-        """``o.score = w_P (P_static + sum w s(link)) / W_P + w_D (D_static + ...) / W_D``."""
-        p_total = o.p.score
-        for scorer, weight in self._pp:
-            p_total += weight * scorer.score_pair(o.p, transfer, ctx)
-        d_total = o.d.score
-        for scorer, weight in self._dp:
-            d_total += weight * scorer.score_pair(o.d, transfer, ctx)
-        o.score = wp * p_total * self._inv_wp + wd * d_total * self._inv_wd
-
-    def pair_factors(self, o: Option, ctx: RequestContext) -> dict[str, float]:
-        """The pairwise factor values of an option (recomputed for the record, off the hot
-        path; the same pure functions, so the same values)."""
-        transfer = _handoff_cost(o)
-        out: dict[str, float] = {}
-        for scorer, _ in self._pp:
-            out["prefill." + scorer.name] = scorer.score_pair(o.p, transfer, ctx)
-        for scorer, _ in self._dp:
-            out["decode." + scorer.name] = scorer.score_pair(o.d, transfer, ctx)
-        return out
-
-    def _joint(
-        self,
-        pcands: list[Candidate],
-        dcands: list[Candidate],
-        ctx: RequestContext,
-        wp: float,
-        wd: float,
-        colocated: bool,
-    ) -> list[Option]:
-        fleet = ctx.fleet
-        handoff_terms = fleet.handoff_terms
-        prompt = ctx.request.prompt_tokens
-        pair_score = self._pair_score
-        slo = self.profile.slo_objective
-        local_always = slo is not None and slo.conditional
-        # a worker in both top-k lists: its prefill candidate doubles as its local face
-        faces = {id(p.ws): p for p in pcands}
-        # per prefill candidate, once: (candidate, its worker, KV bytes per token, wait +
-        # prefill)
-        sources = [(p, p.ws, p.ws.cap.kv_bytes_per_token, p.wait_ms + p.run_ms) for p in pcands]
-        options: list[Option] = []
-        for d in dcands:
-            dws = d.ws
-            first = len(options)
-            # the decode engine pulls only the blocks its own prefix cache lacks
-            missing = prompt - d.cached_tokens
-            recompute_ms = d.run_ms  # the decode worker's own prefill time for the prompt
-            # a worker serving both stages always offers SAME_POOL; a decode-only worker
-            # recomputes when some pair's KV cannot reach it faster (seed rule), or always
-            # under conditional disaggregation, where the SLO objective decides
-            need_local = colocated or dws.view.stage is Stage.BOTH or not pcands or local_always
-            if not colocated:
-                for p, pws, bpt, ahead in sources:
-                    if pws is dws:
-                        continue
-                    terms = handoff_terms(pws, dws)
-                    if terms is None:
-                        need_local = True
-                        continue
-                    kv = missing * bpt
-                    conv = kv * terms[2]
-                    xfer = kv * terms[0] + terms[1] + conv
-                    if xfer > recompute_ms:
-                        need_local = True
-                        continue
-                    o = Option(
-                        p, d, Mode.TRANSFER, xfer, recompute_ms, conv, ahead + xfer, terms[3]
-                    )
-                    pair_score(o, xfer, ctx, wp, wd)
-                    options.append(o)
-            if need_local:
-                local = self._local(d, ctx, faces.get(id(dws)))
-                if colocated:
-                    local.mode = Mode.SAME_POOL
-                pair_score(local, _handoff_cost(local), ctx, wp, wd)
-                options.append(local)
-            if slo is not None and len(options) > first:
-                _apply_slo(options, first, d, ctx, slo)
-        return options
-
-    def _independent(
-        self,
-        pcands: list[Candidate],
-        dcands: list[Candidate],
-        ctx: RequestContext,
-        rng: random.Random,
-    ) -> list[Option]:
-        prof = self.profile
-        picker = prof.picker
-        ps, ds = prof.prefill, prof.decode
-        fleet = ctx.fleet
-        prompt = ctx.request.prompt_tokens
-        for p in pcands:
-            for scorer, weight in ps.scorers:
-                if scorer.pairwise:
-                    v = scorer.score_pair(p, None, ctx)
-                    p.factors[scorer.name] = v
-                    p.score += weight * v
-            p.score /= ps.total_weight
-        p_best = picker.rank(pcands, rng)[0] if pcands else None
-        plans: list[tuple[Candidate, Option]] = []
-        for d in dcands:
-            local = self._local(d, ctx)
-            option = local
-            xfer: float | None = _handoff_cost(local)
-            if p_best is not None and p_best.ws is not d.ws:
-                terms = fleet.handoff_terms(p_best.ws, d.ws)
-                if terms is not None:
-                    kv = (prompt - d.cached_tokens) * p_best.ws.cap.kv_bytes_per_token
-                    conv = kv * terms[2]
-                    t = kv * terms[0] + terms[1] + conv
-                    ttft = p_best.wait_ms + p_best.run_ms + t
-                    if t <= local.recompute_ms:
-                        xfer = t
-                        option = Option(
-                            p_best, d, Mode.TRANSFER, t, local.recompute_ms, conv, ttft, terms[3]
-                        )
-            total = d.score
-            for scorer, weight in ds.scorers:
-                if scorer.pairwise:
-                    v = scorer.score_pair(d, xfer, ctx)
-                    d.factors[scorer.name] = v
-                    total += weight * v
-            d.score = total / ds.total_weight
-            option.score = d.score
-            option.factors = dict(d.factors)
-            plans.append((d, option))
-        ranked_d = picker.rank([d for d, _ in plans], rng)
-        by_d = {id(d): o for d, o in plans}
-        return [by_d[id(d)] for d in ranked_d]
-
-    # -- results ----------------------------------------------------------------------------
-
-    def _plan_of(self, o: Option, request: Request, need: ResourceNeed) -> RoutePlan:
-        p, d = o.p, o.d
-        transfer = o.mode is Mode.TRANSFER
-        return RoutePlan(
-            resource_need=need,
-            mode=o.mode,
-            prefill_worker_id=p.ws.worker_id,
-            prefill_pool_id=p.ws.pool_id,
-            prefill_endpoint=p.ws.view.endpoint,
-            decode_worker_id=d.ws.worker_id,
-            decode_pool_id=d.ws.pool_id,
-            decode_endpoint=d.ws.view.endpoint,
-            decode_kv_bytes=d.kv_need,
-            prefill_tokens=request.prompt_tokens - p.cached_tokens,
-            cached_tokens=p.cached_tokens,
-            estimates=Estimates(
-                kv_bytes=(request.prompt_tokens - d.cached_tokens) * p.ws.cap.kv_bytes_per_token,
-                transfer_ms=o.transfer_ms if transfer else None,
-                recompute_ms=o.recompute_ms,
-                conversion_ms=o.conversion_ms,
-                prefill_wait_ms=p.wait_ms,
-                prefill_ms=p.run_ms,
-                ttft_ms=o.ttft_ms,
-                tpot_ms=d.step_ms,
-            ),
-        )
-
-    def _chain(self, chosen: Option, rest: list[Option], tier: Tier) -> tuple[FallbackStep, ...]:
-        limit = self.profile.chain_length
-        steps: list[FallbackStep] = []
-        if limit <= 0:
-            return ()
-        used = {chosen.d.ws.worker_id}
-        if chosen.mode is Mode.TRANSFER:
-            d = chosen.d
-            recompute_ttft = d.wait_ms + chosen.recompute_ms
-            est = chosen.ttft_ms + recompute_ttft
-            steps.append(
-                FallbackStep(
-                    Mode.RECOMPUTE,
-                    d.ws.worker_id,
-                    d.ws.worker_id,
-                    d.ws.pool_id,
-                    "kv_transfer_failed",
-                    est,
-                    tier.ttft_ms - est,
-                )
-            )
-        have_shared = False
-        for o in rest:
-            if len(steps) >= limit:
-                break
-            wid = o.d.ws.worker_id
-            if wid in used:
-                continue
-            used.add(wid)
-            if o.mode is Mode.SAME_POOL and not have_shared and chosen.mode is not Mode.SAME_POOL:
-                reason = "shared_pool"
-                have_shared = True
-            elif o.d.ws.pool_id != chosen.d.ws.pool_id:
-                reason = "next_pool"
-            else:
-                reason = "next_best_pair"
-            steps.append(
-                FallbackStep(
-                    o.mode,
-                    o.p.ws.worker_id,
-                    wid,
-                    o.d.ws.pool_id,
-                    reason,
-                    o.ttft_ms,
-                    tier.ttft_ms - o.ttft_ms,
-                )
-            )
-        return tuple(steps[:limit])
+    # -- stages -------------------------------------------------------------------------------
 
     @staticmethod
     def _retry_ms(tier: Tier) -> float:
@@ -744,57 +415,6 @@ class Planner:
         )
 
 
-def _apply_slo(
-    options: list[Option],
-    first: int,
-    d: Candidate,
-    ctx: RequestContext,
-    slo: SloObjective,
-) -> None:
-    """The SLO objective (``config.SloObjective``) on the options ``options[first:]``, which
-    all decode on ``d``: add the decode admission wait to each TTFT estimate, then
-    ``score = ((1 - s) score + s T / (T + ttft) + targets kept) / 3``.
-
-    The admission wait overlaps the prefill for a transfer (the decode worker frees slots
-    while the prefill worker works): ``ttft = wait_p + prefill + max(0, admit - wait_p -
-    prefill) + hand-off``. A local prefill (RECOMPUTE, SAME_POOL) starts only once admitted:
-    ``ttft = admit + wait + prefill``."""
-    tier = ctx.tier
-    req = ctx.request
-    admit = d.ws.admission_wait_ms(d.kv_need, float(max(req.expected_output_tokens, 16)))
-    target = tier.ttft_ms
-    ttft_limit = target * slo.ttft_fraction
-    tpot_limit = tier.tpot_ms * slo.tpot_fraction
-    tpot_ok = 1.0 if d.step_ms <= tpot_limit else 0.0
-    steps = float(max(req.expected_output_tokens, 1))
-    s = slo.slack_weight
-    for i in range(first, len(options)):
-        o = options[i]
-        kept_tpot = tpot_ok
-        pws = o.p.ws
-        if slo.conditional and pws.batch and (pws is d.ws or pws.view.stage is Stage.BOTH):
-            # a prefill on a worker that is decoding (a local prefill, or a transfer's on a
-            # worker serving both stages; a prefill worker's batch is prefills, which this
-            # one only queues behind) stalls its running batch: the sequences there wait
-            # for the prefill queued on it and this prompt's, spread over a sequence's decode
-            # steps (this request's output stands for theirs); an option that would push
-            # their TPOT past the target does not keep it. (The prefill queued on the decode
-            # side was tried as a stall on a transfer too: on the suite it cost the
-            # slow-link cells up to 27 % of goodput and was left out.)
-            step = d.step_ms if pws is d.ws else pws.step_ms()
-            if step + (o.p.wait_ms + o.p.run_ms) / steps > tpot_limit:
-                kept_tpot = 0.0
-        if admit > 0:
-            if o.mode is Mode.TRANSFER:
-                ahead = o.p.wait_ms + o.p.run_ms
-                o.ttft_ms += max(0.0, admit - ahead)
-            else:
-                o.ttft_ms += admit
-        kept = kept_tpot + (1.0 if o.ttft_ms <= ttft_limit else 0.0)
-        slack = target / (target + max(o.ttft_ms, 0.0))
-        o.score = ((1.0 - s) * o.score + s * slack + kept) / 3.0
-
-
 ADMISSION_RETRY_FLOOR_MS = 100.0
 """The shortest retry delay an admission refusal suggests (gRPC carries milliseconds; the
 gateway's HTTP Retry-After rounds up to whole seconds)."""
@@ -809,23 +429,6 @@ def _admission_retry_ms(best_ttft_ms: float, limit_ms: float, most_ms: float) ->
     close to the limit its request was: three such refusals cut a real-engine benchmark's
     throughput at 8 in flight to 0.36 of the peer's (bench/README.md, gateway.py)."""
     return min(most_ms, max(ADMISSION_RETRY_FLOOR_MS, best_ttft_ms - limit_ms))
-
-
-def _own_ms(o: Option) -> float:
-    """The part of an option's TTFT estimate that is the request's own work, not waiting:
-    its prefill and, for a transfer, the hand-off."""
-    return o.p.run_ms + (o.transfer_ms if o.mode is Mode.TRANSFER else 0.0)
-
-
-def _handoff_cost(o: Option) -> float:
-    """What the hand-off costs, in ms, for the link scorers: the transfer (with conversion)
-    for TRANSFER, the decode worker's recompute for RECOMPUTE (it pays that instead of a
-    transfer), nothing for SAME_POOL."""
-    if o.mode is Mode.TRANSFER:
-        return o.transfer_ms
-    if o.mode is Mode.RECOMPUTE:
-        return o.recompute_ms
-    return 0.0
 
 
 def apply_reservations(fleet: Fleet, decision: Decision) -> None:

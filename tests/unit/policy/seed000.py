@@ -1,7 +1,7 @@
 """Seed 000's dict-shaped functions, as thin adapters over the typed core.
 
-They exist so the seed's test cases can be run as written (same inputs, same outputs); new
-code should call :mod:`.mechanisms`, :mod:`.serving` and :class:`~.planner.Planner`.
+They exist so the seed's test cases can be run as written (same inputs, same outputs); the
+product's own code is :mod:`hpd_scheduler.policy` (:class:`~hpd_scheduler.policy.Planner`).
 Memory in the seed's dicts is in GB; it is compared as given (both sides in the same unit).
 """
 
@@ -10,18 +10,19 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .domain import Mode
-from .errors import InvalidInputError
-from .mechanisms import (
+from hpd_scheduler.policy.domain import Mode
+from hpd_scheduler.policy.errors import InvalidInputError
+from hpd_scheduler.policy.mechanisms import classify_need
+from hpd_scheduler.policy.serving import SEED_LADDER, select_action
+
+from .seed_mechanisms import (
     BYTES_PER_MB,
     PoolSpec,
     StageNeed,
     choose_handoff,
-    classify_need,
     evaluate_capability,
     route_with_fallback,
 )
-from .serving import SEED_LADDER, select_action
 
 __all__ = [
     "build_route_record",

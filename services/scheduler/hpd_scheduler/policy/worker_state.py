@@ -1,0 +1,199 @@
+"""One worker inside a fleet snapshot (`fleet.py`): its view, its capacity and the
+corrections its own reports and observed figures make to it, and the reservations counted
+against it; the per-worker predictions the planner and the preselection keys read (prefill
+wait and time, decode step, KV use, queue depth), and the prompt mix its queued requests
+are priced at."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Container
+
+from .capacity import Capacity, StalenessPolicy, confidence
+from .domain import WorkerView
+
+__all__ = ["PromptMix", "WorkerState"]
+
+_CLAMP_LO, _CLAMP_HI = 0.25, 4.0
+"""How far a worker's own reported speed may correct its capacity model, either way."""
+
+
+class WorkerState:
+    """One worker inside a snapshot: its view, capacity, corrections and live reservations.
+
+    Mutable only through :meth:`Fleet.reserve` / :meth:`Fleet.release` (the ``live_*``
+    fields); everything else is fixed for the snapshot's life.
+    """
+
+    __slots__ = (
+        "backlog_tokens",
+        "batch",
+        "cap",
+        "conf",
+        "ctx_tokens",
+        "held",
+        "held_block_tokens",
+        "idx",
+        "kv_avail",
+        "kv_total",
+        "link_class",
+        "live_kv",
+        "live_reqs",
+        "live_tokens",
+        "m_d",
+        "m_p",
+        "pool_id",
+        "queue",
+        "reported_at_s",
+        "view",
+        "worker_id",
+    )
+
+    def __init__(
+        self,
+        view: WorkerView,
+        cap: Capacity,
+        idx: int,
+        now_s: float,
+        staleness: StalenessPolicy,
+        ref_tokens: int,
+    ) -> None:
+        self.view = view
+        self.cap = cap
+        self.idx = idx
+        self.worker_id = view.worker_id
+        self.pool_id = view.pool_id
+        load = view.load
+        self.reported_at_s = load.reported_at_s if load is not None else None
+        self.conf = confidence(self.reported_at_s, now_s, staleness)
+        queue = load.queue_depth if load is not None else 0
+        running = load.running_prefills if load is not None else 0
+        self.queue = queue + view.pending_requests
+        self.batch = load.batch_size if load is not None else 0
+        self.backlog_tokens = (queue + 0.5 * running) * ref_tokens + (
+            view.pending_prefill_tokens or view.pending_requests * ref_tokens
+        )
+        self.kv_total = view.kv_total_bytes
+        self.kv_avail = max(0, view.kv_available_bytes - view.pending_kv_bytes)
+        used = max(0, view.kv_total_bytes - view.kv_available_bytes)
+        self.ctx_tokens = used / cap.kv_bytes_per_token if cap.kv_bytes_per_token else 0.0
+        c = self.conf
+        m_p = 1.0
+        if load is not None and load.prefill_tokens_per_s > 0 and c > 0:
+            ratio = min(max(cap.prefill_tps / load.prefill_tokens_per_s, _CLAMP_LO), _CLAMP_HI)
+            m_p = c * ratio + (1.0 - c)
+        self.m_p = m_p
+        m_d = 1.0
+        if load is not None and load.itl_p50_ms > 0 and c > 0:
+            nominal = cap.decode_step_ms(self.ctx_tokens)
+            ratio = min(max(load.itl_p50_ms / nominal, _CLAMP_LO), _CLAMP_HI)
+            m_d = c * ratio + (1.0 - c)
+        self.m_d = m_d
+        self.live_reqs = 0
+        self.live_kv = 0
+        self.live_tokens = 0
+        # the worker's class for hand-off figures (Fleet.handoff_terms), set by Fleet.build
+        self.link_class = 0
+        # the prefix keys this worker's engine holds (policy.prefix), None when unknown
+        self.held: Container[int] | None = None
+        self.held_block_tokens = 0
+
+    # -- live figures (snapshot + reservations) -------------------------------------------
+
+    def available_kv(self) -> int:
+        """KV bytes free for a new request: reported free minus every reservation."""
+        return self.kv_avail - self.live_kv
+
+    def kv_used_fraction(self) -> float:
+        """Used share of KV memory, reservations included, in [0, 1]."""
+        if self.kv_total <= 0:
+            return 1.0
+        return min(1.0, max(0.0, 1.0 - self.available_kv() / self.kv_total))
+
+    def queue_depth(self) -> int:
+        """Queued requests, reservations included."""
+        return self.queue + self.live_reqs
+
+    def prefill_wait_ms(self) -> float:
+        """Seconds of this worker's own prefill work queued ahead, in ms:
+        ``backlog tokens / (prefill tokens/s) x 1000 x m_p``."""
+        return (self.backlog_tokens + self.live_tokens) / self.cap.prefill_tps * 1000.0 * self.m_p
+
+    def prefill_ms(self, tokens: int) -> float:
+        """This worker's time to prefill ``tokens`` (observed-corrected)."""
+        return self.cap.prefill_ms(tokens) * self.m_p
+
+    def admission_wait_ms(self, kv_need: int, seq_steps: float) -> float:
+        """Expected wait, in ms, before a new sequence gets a decode slot on this worker.
+
+        Continuous batching admits a sequence only while the batch is below
+        ``max_batch_size`` and its KV fits; otherwise it waits for running sequences to
+        finish. With ``B`` sequences running, each living about ``L = seq_steps`` decode
+        steps, about ``B / L`` finish per step (steady state), so
+
+        * slots: ``deficit = B + Q + 1 - max_batch`` (``Q``: sequences queued or routed
+          here ahead of this one) waits ``deficit x L / B`` steps;
+        * memory: ``deficit = kv_need - free KV`` (free after reservations) waits
+          ``deficit / (used KV / L)`` steps, since finishing sequences free ``used / L``
+          bytes per step;
+
+        the larger of the two, times the worker's current step (``step_ms()``). 0 when the
+        sequence fits now. Seed 001 has no such term: its batch factor packs sequences toward
+        70 % of the cap and its TTFT ignores the wait a full batch imposes."""
+        b = max(self.batch, 0)
+        running = max(b, 1)
+        steps = 0.0
+        cap = self.view.max_batch_size
+        if cap > 0:
+            slot_deficit = b + self.queue_depth() + 1 - cap
+            if slot_deficit > 0:
+                steps = slot_deficit * seq_steps / running
+        free = self.available_kv()
+        if kv_need > free:
+            used = max(self.kv_total - self.kv_avail, 1)
+            steps = max(steps, (kv_need - free) * seq_steps / used)
+        return steps * self.step_ms() if steps > 0 else 0.0
+
+    def step_ms(self, extra_context_tokens: float = 0.0) -> float:
+        """Predicted decode step (ITL) in ms with ``extra_context_tokens`` more KV resident:
+        ``(weights read + context x kv ms/token) x m_d``."""
+        cap = self.cap
+        return (
+            cap.weights_ms + (self.ctx_tokens + extra_context_tokens) * cap.kv_ms_per_token
+        ) * self.m_d
+
+
+_GRID_LOG = math.log(1.25)
+
+
+class PromptMix:
+    """The prompt length the snapshot counts a queued request as (``Fleet.build``'s
+    ``ref_prompt_tokens``): an exponentially weighted mean of the prompts seen, so that a
+    queue of 40k-token prompts is not priced as a queue of 1k-token ones. Engines report
+    how many requests wait, not how long they are; a fixed reference fitted one trace's
+    mean (1,024 tokens: the Azure conversation trace) and made every queue of a long-context
+    trace look 13x shorter than it was (the Mooncake trace: prefill waits predicted at 50 ms
+    were 1.8 s in the simulator).
+
+    ``alpha`` (0.02): the weight of each new prompt, about 50 requests of memory, which
+    follows a shift in the mix within seconds at a few requests per second yet does not jump
+    with one outlier. The value reported is rounded to a geometric grid (steps of x1.25),
+    so consecutive snapshots mostly keep the same reference and reuse their workers'
+    capacity entries (``Fleet.build(previous=..)``)."""
+
+    __slots__ = ("alpha", "mean")
+
+    def __init__(self, initial_tokens: float = 1024.0, alpha: float = 0.02) -> None:
+        if not 0.0 < alpha <= 1.0:
+            raise ValueError("alpha must be in (0, 1]")
+        self.alpha = alpha
+        self.mean = max(1.0, initial_tokens)
+
+    def observe(self, prompt_tokens: int) -> None:
+        if prompt_tokens > 0:
+            self.mean += self.alpha * (prompt_tokens - self.mean)
+
+    def ref_tokens(self) -> int:
+        """The mean on the grid 1.25^k, at least 16 tokens."""
+        k = round(math.log(max(self.mean, 16.0)) / _GRID_LOG)
+        return max(16, round(math.exp(k * _GRID_LOG)))
