@@ -568,20 +568,7 @@ class RealStack:
             except (TimeoutError, RuntimeError):
                 e.kill()
                 e.start_ready()  # once more, on new ports
-        for name, role in (("prefill", "prefill"), ("decode", "decode")):
-            e = self.engines[name]
-            agent = AgentProcess(
-                name,
-                [
-                    "--engine-url", e.url, "--model-dir", str(model), "--role", role,
-                    "--registry", self.addrs["registry"], "--worker-id", name,
-                    "--kv-connector", "nixl", "--kv-side-channel", e.side_channel,
-                    "--scrape-period-s", "0.5", "--log-level", "warning", *self.gpu_flags,
-                ],
-                logs,
-            )  # fmt: skip
-            agent.start()
-            self.procs.append(agent)
+        self._start_agents(model, logs)
         gw_port = pick_port()
         gateway = AgentProcess(
             "gateway",
@@ -603,20 +590,41 @@ class RealStack:
                 raise TimeoutError("the engines never registered")
             time.sleep(0.2)
         if self.with_router:
-            rport = pick_port()
-            self.router = subprocess.Popen(
+            self._start_router(venv, logs)
+
+    def _start_agents(self, model: Path, logs: Path) -> None:
+        """An agent per engine, registering it with the control plane."""
+        for name, role in (("prefill", "prefill"), ("decode", "decode")):
+            e = self.engines[name]
+            agent = AgentProcess(
+                name,
                 [
-                    str(venv / "bin" / "vllm-router"), "--host", "127.0.0.1",
-                    "--port", str(rport), "--vllm-pd-disaggregation",
-                    "--prefill", self.engines["prefill"].url,
-                    "--decode", self.engines["decode"].url,
-                    "--kv-connector", "nixl", "--policy", "round_robin",
+                    "--engine-url", e.url, "--model-dir", str(model), "--role", role,
+                    "--registry", self.addrs["registry"], "--worker-id", name,
+                    "--kv-connector", "nixl", "--kv-side-channel", e.side_channel,
+                    "--scrape-period-s", "0.5", "--log-level", "warning", *self.gpu_flags,
                 ],
-                stdout=(logs / "vllm-router.log").open("ab"), stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True,
+                logs,
             )  # fmt: skip
-            self.router_url = f"http://127.0.0.1:{rport}"
-            wait_http(self.router_url + "/health", 60)
+            agent.start()
+            self.procs.append(agent)
+
+    def _start_router(self, venv: Path, logs: Path) -> None:
+        """The peer router (vllm-router, P/D mode) over the same two engines."""
+        rport = pick_port()
+        self.router = subprocess.Popen(
+            [
+                str(venv / "bin" / "vllm-router"), "--host", "127.0.0.1",
+                "--port", str(rport), "--vllm-pd-disaggregation",
+                "--prefill", self.engines["prefill"].url,
+                "--decode", self.engines["decode"].url,
+                "--kv-connector", "nixl", "--policy", "round_robin",
+            ],
+            stdout=(logs / "vllm-router.log").open("ab"), stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+        self.router_url = f"http://127.0.0.1:{rport}"
+        wait_http(self.router_url + "/health", 60)
 
     def stop(self) -> None:
         if self.router is not None:

@@ -200,12 +200,15 @@ class ControlPlane:
         )
 
     async def start(self) -> None:
-        from hpd_kvbroker.__main__ import build_server as build_kvbroker
-        from hpd_kvbroker.settings import KvBrokerSettings
+        """The registry, then the broker (which follows the registry), then the scheduler
+        (one process, or N sharing the port with a watchdog that restarts the dead)."""
+        await self._start_registry()
+        await self._start_kvbroker()
+        await self._start_scheduler()
+
+    async def _start_registry(self) -> None:
         from hpd_registry.__main__ import build_server as build_registry
         from hpd_registry.settings import RegistrySettings
-        from hpd_scheduler.__main__ import build_server as build_scheduler
-        from hpd_scheduler.settings import SchedulerSettings
 
         s = self.settings
         self.registry = build_registry(
@@ -226,6 +229,12 @@ class ControlPlane:
             redis_conn.connect(s.redis_url),
         )
         await self.registry.start()
+
+    async def _start_kvbroker(self) -> None:
+        from hpd_kvbroker.__main__ import build_server as build_kvbroker
+        from hpd_kvbroker.settings import KvBrokerSettings
+
+        s = self.settings
         self.kvbroker = build_kvbroker(
             KvBrokerSettings(
                 host=s.host,
@@ -246,6 +255,13 @@ class ControlPlane:
             redis_conn.connect(s.redis_url),
         )
         await self.kvbroker.start()
+
+    async def _start_scheduler(self) -> None:
+        from hpd_scheduler.__main__ import build_server as build_scheduler
+        from hpd_scheduler.settings import SchedulerSettings
+
+        s = self.settings
+        assert self.kvbroker is not None
         many = s.scheduler_processes > 1
         sched_settings = SchedulerSettings(
             host=s.host,

@@ -111,21 +111,10 @@ def _sans(hosts: Sequence[str]) -> list[str]:
     return out
 
 
-def ensure_pki(folder: Path, hosts: Sequence[str] = ()) -> Pki:
-    """The CA and certificates in ``folder``, made now unless usable ones are there."""
-    folder = folder.absolute()
-    folder.mkdir(parents=True, exist_ok=True)
-    pki = Pki(
-        folder / "ca.pem",
-        folder / "server.pem",
-        folder / "server.key",
-        folder / "client.pem",
-        folder / "client.key",
-    )
-    if _still_good(folder, hosts):
-        return pki
-    now = dt.datetime.now(dt.UTC) - dt.timedelta(minutes=5)
-    until = now + dt.timedelta(days=VALID_DAYS)
+def _ca(
+    now: dt.datetime, until: dt.datetime
+) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    """A throwaway CA: its key and self-signed certificate."""
     ca_key = _key()
     ca = (
         x509.CertificateBuilder()
@@ -152,30 +141,62 @@ def ensure_pki(folder: Path, hosts: Sequence[str] = ()) -> Pki:
         )
         .sign(ca_key, hashes.SHA256())
     )
+    return ca_key, ca
+
+
+def _leaf(
+    ca_key: ec.EllipticCurvePrivateKey,
+    ca: x509.Certificate,
+    now: dt.datetime,
+    until: dt.datetime,
+    cn: str,
+    usage: x509.ObjectIdentifier,
+    sans: list[str],
+) -> tuple[bytes, bytes]:
+    """A certificate the CA signs for ``cn`` (PEM) and its key (PEM)."""
+    key = _key()
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(_name(cn))
+        .issuer_name(ca.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now)
+        .not_valid_after(until)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+    )
+    if sans:
+        entries: list[x509.GeneralName] = []
+        for name in sans:
+            try:
+                entries.append(x509.IPAddress(ipaddress.ip_address(name)))
+            except ValueError:
+                entries.append(x509.DNSName(name))
+        builder = builder.add_extension(x509.SubjectAlternativeName(entries), critical=False)
+    cert = builder.sign(ca_key, hashes.SHA256())
+    return cert.public_bytes(serialization.Encoding.PEM), _pem_key(key)
+
+
+def ensure_pki(folder: Path, hosts: Sequence[str] = ()) -> Pki:
+    """The CA and certificates in ``folder``, made now unless usable ones are there."""
+    folder = folder.absolute()
+    folder.mkdir(parents=True, exist_ok=True)
+    pki = Pki(
+        folder / "ca.pem",
+        folder / "server.pem",
+        folder / "server.key",
+        folder / "client.pem",
+        folder / "client.key",
+    )
+    if _still_good(folder, hosts):
+        return pki
+    now = dt.datetime.now(dt.UTC) - dt.timedelta(minutes=5)
+    until = now + dt.timedelta(days=VALID_DAYS)
+    ca_key, ca = _ca(now, until)
 
     def leaf(cn: str, usage: x509.ObjectIdentifier, sans: list[str]) -> tuple[bytes, bytes]:
-        key = _key()
-        builder = (
-            x509.CertificateBuilder()
-            .subject_name(_name(cn))
-            .issuer_name(ca.subject)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now)
-            .not_valid_after(until)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
-        )
-        if sans:
-            entries: list[x509.GeneralName] = []
-            for name in sans:
-                try:
-                    entries.append(x509.IPAddress(ipaddress.ip_address(name)))
-                except ValueError:
-                    entries.append(x509.DNSName(name))
-            builder = builder.add_extension(x509.SubjectAlternativeName(entries), critical=False)
-        cert = builder.sign(ca_key, hashes.SHA256())
-        return cert.public_bytes(serialization.Encoding.PEM), _pem_key(key)
+        return _leaf(ca_key, ca, now, until, cn, usage, sans)
 
     server_pem, server_key = leaf(
         "hetero-pd services", ExtendedKeyUsageOID.SERVER_AUTH, _sans(hosts)

@@ -122,6 +122,56 @@ def _auth(args: argparse.Namespace) -> tuple[str, str]:
     return str(path), token
 
 
+async def _tls(args: argparse.Namespace) -> dict[str, str]:
+    """With ``--tls``: a throwaway CA and certificates in the state folder, as the control
+    plane's TLS settings; else none."""
+    if not args.tls:
+        return {}
+    from hpd_tools.tlsgen import ensure_pki
+
+    pki = await asyncio.to_thread(ensure_pki, Path(args.state_dir) / "tls", [args.host])
+    return {
+        "tls_ca_file": str(pki.ca),
+        "tls_server_cert_file": str(pki.server_cert),
+        "tls_server_key_file": str(pki.server_key),
+        "tls_client_cert_file": str(pki.client_cert),
+        "tls_client_key_file": str(pki.client_key),
+    }
+
+
+def _announce(
+    args: argparse.Namespace,
+    cp: ControlPlane,
+    tls: Mapping[str, str],
+    tokens_file: str,
+    redis_url: str,
+) -> None:
+    """What an operator needs once the control plane serves: addresses, TLS and auth."""
+    for name, target in (
+        ("registry", cp.registry_target),
+        ("scheduler", cp.scheduler_target),
+        ("kvbroker", cp.kvbroker_target),
+    ):
+        print(f"hpd: {name} listening on {target}", flush=True)
+    if args.scheduler_processes > 1:
+        print(
+            f"hpd: scheduler: {args.scheduler_processes} processes share its port (metrics "
+            f"of process i on --metrics-port + i)",
+            flush=True,
+        )
+    if tls:
+        print(
+            f"hpd: mutual TLS on; clients: HPD_CA_FILE={tls['tls_ca_file']} "
+            f"HPD_CERT_FILE={tls['tls_client_cert_file']} "
+            f"HPD_KEY_FILE={tls['tls_client_key_file']}",
+            flush=True,
+        )
+    if tokens_file:
+        reads = "need a token" if args.closed_reads else "are open"
+        print(f"hpd: auth on (tokens: {tokens_file}); reads {reads}", flush=True)
+    print(f"hpd: state store {redis_url}; Ctrl-C to stop", flush=True)
+
+
 async def _serve(args: argparse.Namespace, redis_url: str) -> None:
     from hpd_kvbroker.settings import KvBrokerSettings
     from hpd_registry.settings import RegistrySettings
@@ -129,18 +179,7 @@ async def _serve(args: argparse.Namespace, redis_url: str) -> None:
 
     reg, kvb, sch = RegistrySettings(), KvBrokerSettings(), SchedulerSettings()
     tokens_file, service_token = _auth(args)
-    tls: dict[str, str] = {}
-    if args.tls:
-        from hpd_tools.tlsgen import ensure_pki
-
-        pki = await asyncio.to_thread(ensure_pki, Path(args.state_dir) / "tls", [args.host])
-        tls = {
-            "tls_ca_file": str(pki.ca),
-            "tls_server_cert_file": str(pki.server_cert),
-            "tls_server_key_file": str(pki.server_key),
-            "tls_client_cert_file": str(pki.client_cert),
-            "tls_client_key_file": str(pki.client_key),
-        }
+    tls = await _tls(args)
     cp = ControlPlane(
         ControlPlaneSettings(  # the services' own defaults: this is the long-lived setup
             redis_url=redis_url,
@@ -175,29 +214,7 @@ async def _serve(args: argparse.Namespace, redis_url: str) -> None:
             loop.add_signal_handler(sig, stop.set)
     try:
         await cp.start()
-        for name, target in (
-            ("registry", cp.registry_target),
-            ("scheduler", cp.scheduler_target),
-            ("kvbroker", cp.kvbroker_target),
-        ):
-            print(f"hpd: {name} listening on {target}", flush=True)
-        if args.scheduler_processes > 1:
-            print(
-                f"hpd: scheduler: {args.scheduler_processes} processes share its port (metrics "
-                f"of process i on --metrics-port + i)",
-                flush=True,
-            )
-        if tls:
-            print(
-                f"hpd: mutual TLS on; clients: HPD_CA_FILE={tls['tls_ca_file']} "
-                f"HPD_CERT_FILE={tls['tls_client_cert_file']} "
-                f"HPD_KEY_FILE={tls['tls_client_key_file']}",
-                flush=True,
-            )
-        if tokens_file:
-            reads = "need a token" if args.closed_reads else "are open"
-            print(f"hpd: auth on (tokens: {tokens_file}); reads {reads}", flush=True)
-        print(f"hpd: state store {redis_url}; Ctrl-C to stop", flush=True)
+        _announce(args, cp, tls, tokens_file, redis_url)
         log.info("startup_heap_frozen", objects=freeze_startup_heap())
         await stop.wait()
         log.info("shutdown_requested")
