@@ -241,6 +241,21 @@ class FilterResult:
     dropped: dict[str, str]
 
 
+def split_workers(
+    workers: Sequence[WorkerState], reason: Callable[[WorkerState], str | None]
+) -> FilterResult:
+    """The workers ``reason`` keeps (None), in order, and the reason for each it drops."""
+    kept: list[WorkerState] = []
+    dropped: dict[str, str] = {}
+    for ws in workers:
+        why = reason(ws)
+        if why is None:
+            kept.append(ws)
+        else:
+            dropped[ws.worker_id] = why
+    return FilterResult(kept, dropped)
+
+
 class Filter(Plugin):
     """Drops workers that cannot take the request; says why for each."""
 
@@ -255,15 +270,7 @@ class Filter(Plugin):
         self, workers: Sequence[WorkerState], role: Role, ctx: RequestContext
     ) -> FilterResult:
         """Apply :meth:`drop_reason` to each worker; never adds a worker."""
-        kept: list[WorkerState] = []
-        dropped: dict[str, str] = {}
-        for ws in workers:
-            reason = self.drop_reason(ws, role, ctx)
-            if reason is None:
-                kept.append(ws)
-            else:
-                dropped[ws.worker_id] = reason
-        return FilterResult(kept, dropped)
+        return split_workers(workers, lambda ws: self.drop_reason(ws, role, ctx))
 
 
 class Scorer(Plugin):

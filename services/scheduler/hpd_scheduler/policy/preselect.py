@@ -19,7 +19,7 @@ from .config import Profile
 from .decision import DecisionRecord
 from .domain import Role, Stage
 from .fleet import Fleet, ModelIndex, WorkerState
-from .framework import Candidate, Filter, FilterResult, RequestContext
+from .framework import Candidate, Filter, FilterResult, RequestContext, split_workers
 from .prefix import matched_blocks
 
 __all__ = ["PREFIX_HOLDERS", "Preselection", "prefix_matches"]
@@ -149,15 +149,7 @@ class Preselection:
     ) -> FilterResult:
         """The whole filter chain on ``workers``, as a plan runs it: kept in order, and the
         first reason for each dropped worker."""
-        kept: list[WorkerState] = []
-        dropped: dict[str, str] = {}
-        for ws in workers:
-            why = self.reason(ws, role, ctx)
-            if why is None:
-                kept.append(ws)
-            else:
-                dropped[ws.worker_id] = why
-        return FilterResult(kept, dropped)
+        return split_workers(workers, lambda ws: self.reason(ws, role, ctx))
 
     def score(self, c: Candidate, ctx: RequestContext) -> None:
         """``c.score`` and ``c.factors`` from its side's pair-independent scorers."""
