@@ -10,6 +10,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
+from hpd_agent.engines import SglangAdapter, VllmAdapter
 from hpd_agent.model_config import ModelGeometry
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "engines"
@@ -74,3 +77,43 @@ def up_to(text: str, prefix: str, *, inclusive: bool) -> str:
     lines = text.splitlines(keepends=True)
     index = next(i for i, line in enumerate(lines) if line.startswith(prefix))
     return "".join(lines[: index + 1 if inclusive else index])
+
+
+# adapters and recorded metric texts the engine tests share
+VLLM = VllmAdapter()
+SGLANG = SglangAdapter()
+IDLE = read("vllm", "metrics_prefill_idle.txt")
+DECODE = read("vllm", "metrics_decode.txt")
+GAUGES = (
+    "vllm:num_requests_running{",
+    "vllm:num_requests_waiting{",
+    "vllm:kv_cache_usage_perc{",
+)
+
+
+def vllm_gauges(running: str = "0", waiting: str = "0", usage: str = "0") -> str:
+    return (
+        f"vllm:num_requests_running {running}\n"
+        f"vllm:num_requests_waiting {waiting}\n"
+        f"vllm:kv_cache_usage_perc {usage}\n"
+    )
+
+
+def sglang_gauges(running: str = "0", waiting: str = "0", usage: str = "0") -> str:
+    return (
+        f"sglang:num_running_reqs {running}\n"
+        f"sglang:num_queue_reqs {waiting}\n"
+        f"sglang:token_usage {usage}\n"
+    )
+
+
+MALFORMED = [
+    pytest.param("this is not prometheus\n", id="prose"),
+    pytest.param("vllm:num_requests_running 1.0.0\n", id="bad-number"),
+    pytest.param("vllm:num_requests_running\n", id="no-value"),
+    pytest.param('vllm:num_requests_running{engine="0} 1\n', id="unterminated-label"),
+    pytest.param('vllm:num_requests_running{engine="0",model_na', id="cut-in-label-set"),
+    pytest.param("<html><body>502 Bad Gateway</body></html>\n", id="html-error-page"),
+    pytest.param('{"detail": "Not Found"}', id="json-body"),
+    pytest.param("\x00\x01\x02", id="binary"),
+]

@@ -2,18 +2,31 @@
 
 from __future__ import annotations
 
+import random
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from hpd_common.kvformat import KvDtype, KvLayout
 from hpd_common.perfmodel import model_spec
+from hpd_scheduler import policy
 from hpd_scheduler.policy import (
+    Decision,
+    Fleet,
     Health,
+    LinkModel,
     LoadReport,
     NetworkLocation,
+    Planner,
+    Profile,
     Request,
+    Role,
     Stage,
     WorkerView,
+    builtin_profile,
 )
+from hpd_scheduler.policy.domain import ResourceNeed
+from hpd_scheduler.policy.framework import RequestContext
 
 GIB = 1 << 30
 NOW = 1000.0
@@ -83,3 +96,41 @@ def request(
 ) -> Request:
     """A llama-3-8b request."""
     return Request(rid, MODEL, prompt, output, tier, **extra)
+
+
+# the planner tests' profiles and shortcuts
+DEFAULT = builtin_profile("default")
+# the default profile with every decode worker's own prefill offered only where the seed rule
+# would (no pair can transfer faster): for tests about the choice among prefill workers,
+# which an idle decode worker prefilling for itself would otherwise pre-empt
+DISAGGREGATED = replace(
+    DEFAULT,
+    slo_objective=replace(DEFAULT.slo_objective, conditional=False),  # type: ignore[type-var]
+)
+
+
+def plan(
+    views: list[WorkerView],
+    req: Request | None = None,
+    profile: Profile = DEFAULT,
+    links: LinkModel | None = None,
+) -> tuple[Decision, Fleet]:
+    fleet = Fleet.build(views, NOW, links=links)
+    return Planner(profile).plan(req or request(), fleet, NOW, random.Random(7)), fleet
+
+
+def ctx_for(fleet: Fleet, tier: str = "standard", req: Request | None = None) -> RequestContext:
+    r = req or request(tier=tier)
+    return RequestContext(
+        r,
+        DEFAULT.tier(tier),
+        ResourceNeed.SHARED,
+        NOW,
+        fleet,
+        fleet.index(MODEL, Role.PREFILL),
+        fleet.index(MODEL, Role.DECODE),
+    )
+
+
+DEFAULT_PATH = Path(str(policy.__file__)).parent / "profiles" / "default.yaml"
+"""The default profile's YAML (tests edit a copy of it)."""
