@@ -6,11 +6,15 @@ the `registry` fixture's registry (same key prefix), and talk to both through st
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import pytest
 
+from hetero_pd.v1 import common_pb2 as c
 from hetero_pd.v1 import kvbroker_pb2 as k
 from hetero_pd.v1 import kvbroker_pb2_grpc as k_grpc
 from hetero_pd.v1 import registry_pb2 as r
@@ -21,8 +25,9 @@ from hpd_kvbroker.__main__ import build_server
 from hpd_kvbroker.api import KvBrokerComponent
 from hpd_kvbroker.service import KvBrokerService
 from hpd_kvbroker.settings import KvBrokerSettings
+from hpd_tools.embedded_redis import EmbeddedRedis
 from tests.support.fleet import capability
-from tests.support.servers import stop_server
+from tests.support.servers import RegistryHandle, stop_server
 
 GIB = 1 << 30
 
@@ -103,3 +108,74 @@ def open_request(
         lease_ttl_ms=lease_ttl_ms,
         caller=who,
     )
+
+
+# the component tests' broker beside a registry with four registered workers
+TOKEN = "sched-secret"
+SCHED = k.SessionCaller(scheduler_token=TOKEN)
+V = k.CompatibilityVerdict
+
+
+@dataclass
+class Env:
+    broker: BrokerHandle
+    registry: RegistryHandle
+    creds: dict[str, str]
+
+    @property
+    def stub(self) -> Any:
+        return self.broker.stub
+
+    def as_(self, worker_id: str) -> k.SessionCaller:
+        return caller(worker_id, self.creds[worker_id])
+
+
+@pytest.fixture
+async def env(
+    redis_server: EmbeddedRedis, registry: RegistryHandle, key_prefix: str
+) -> AsyncIterator[Env]:
+    creds = {
+        "p1": await register(registry.stub, "p1", lease_ttl_ms=30_000),
+        "d1": await register(
+            registry.stub,
+            "d1",
+            lease_ttl_ms=30_000,
+            pool_id="a100-decode",
+            stages=(c.STAGE_DECODE,),
+            gpu="A100-80G",
+            block=32,
+        ),
+        "d2": await register(
+            registry.stub,
+            "d2",
+            lease_ttl_ms=30_000,
+            pool_id="l40s-decode",
+            stages=(c.STAGE_DECODE,),
+            gpu="L40S",
+            dtype=c.KV_DTYPE_FP8_E4M3,
+        ),
+        "x1": await register(registry.stub, "x1", lease_ttl_ms=30_000),
+    }
+    broker = await start_broker(
+        redis_server.url, key_prefix, registry_target=registry.target, scheduler_token=TOKEN
+    )
+    assert broker.service.informer is not None
+    assert await broker.service.informer.wait_synced(5)
+    yield Env(broker, registry, creds)
+    await broker.close()
+
+
+async def code_of(call: Any) -> grpc.StatusCode:
+    try:
+        await call
+    except grpc.aio.AioRpcError as exc:
+        return exc.code()
+    return grpc.StatusCode.OK
+
+
+async def eventually(check: Callable[[], Any], timeout_s: float = 5.0) -> None:
+    """Waits until ``check()`` holds (polled every 20 ms), failing after ``timeout_s``."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not await check():
+        assert asyncio.get_running_loop().time() < deadline, "condition never held"
+        await asyncio.sleep(0.02)

@@ -61,8 +61,6 @@ DEBT: dict[str, frozenset[str]] = {
     "services/tools/hpd_fleet/gateway.py": frozenset({"module", "_transfer"}),
     "services/tools/hpd_fleet/real.py": frozenset({"module"}),
     "services/tools/hpd_sim/engine.py": frozenset({"module"}),
-    "tests/component/test_gateway_fake_engines.py": frozenset({"module"}),
-    "tests/component/test_kvbroker_api.py": frozenset({"module"}),
 }
 """Rooms still too long that the renovation has not reached yet: per file, ``"module"``
 and/or the names of its long functions. A known debt, not a reason: the test fails on any
