@@ -80,6 +80,17 @@ class _TlsSettings(TypedDict, total=False):
     call_key_file: str
 
 
+class _ServerCommon(_TlsSettings, total=False):
+    """The settings every service of one control plane shares (`ControlPlane._common`)."""
+
+    host: str
+    redis_url: str
+    key_prefix: str
+    log_level: str
+    auth_tokens_file: str
+    auth_open_reads: bool
+
+
 class InProcessKvBroker:
     """The scheduler's session opener when the broker runs in the same process (``hpd up``):
     the broker's own ``open`` and ``abort``, awaited directly, as the scheduler would be
@@ -199,6 +210,20 @@ class ControlPlane:
             call_key_file=s.tls_client_key_file,
         )
 
+    def _common(self) -> _ServerCommon:
+        """What each service's settings share: address, Redis, key prefix, log level, auth
+        and TLS."""
+        s = self.settings
+        return _ServerCommon(
+            host=s.host,
+            redis_url=s.redis_url,
+            key_prefix=s.key_prefix,
+            log_level=s.log_level,
+            auth_tokens_file=s.auth_tokens_file,
+            auth_open_reads=s.auth_open_reads,
+            **self._tls(),
+        )
+
     async def start(self) -> None:
         """The registry, then the broker (which follows the registry), then the scheduler
         (one process, or N sharing the port with a watchdog that restarts the dead)."""
@@ -213,18 +238,12 @@ class ControlPlane:
         s = self.settings
         self.registry = build_registry(
             RegistrySettings(
-                host=s.host,
                 port=s.registry_port,
-                redis_url=s.redis_url,
-                key_prefix=s.key_prefix,
                 lease_ttl_ms=s.lease_ttl_ms,
                 min_lease_ttl_ms=min(300, s.lease_ttl_ms),
                 sweep_interval_ms=s.sweep_interval_ms,
                 bookmark_interval_ms=s.bookmark_interval_ms,
-                log_level=s.log_level,
-                auth_tokens_file=s.auth_tokens_file,
-                auth_open_reads=s.auth_open_reads,
-                **self._tls(),
+                **self._common(),
             ),
             redis_conn.connect(s.redis_url),
         )
@@ -237,19 +256,13 @@ class ControlPlane:
         s = self.settings
         self.kvbroker = build_kvbroker(
             KvBrokerSettings(
-                host=s.host,
                 port=s.kvbroker_port,
-                redis_url=s.redis_url,
-                key_prefix=s.key_prefix,
                 registry_key_prefix=s.key_prefix,
                 registry_target=self.registry_target,
                 lease_ttl_ms=s.session_lease_ttl_ms,
                 default_deadline_ms=s.session_deadline_ms,
                 sweep_interval_ms=s.sweep_interval_ms,
-                log_level=s.log_level,
-                auth_tokens_file=s.auth_tokens_file,
-                auth_open_reads=s.auth_open_reads,
-                **self._tls(),
+                **self._common(),
                 call_token=s.service_token,
             ),
             redis_conn.connect(s.redis_url),
@@ -264,12 +277,9 @@ class ControlPlane:
         assert self.kvbroker is not None
         many = s.scheduler_processes > 1
         sched_settings = SchedulerSettings(
-            host=s.host,
             port=s.scheduler_port or (free_port() if many else 0),
             processes=s.scheduler_processes,
             metrics_port=s.metrics_port if many else 0,
-            redis_url=s.redis_url,
-            key_prefix=s.key_prefix,
             registry_target=self.registry_target,
             broker_target=self.kvbroker_target,
             staleness_bound_ms=s.staleness_bound_ms,
@@ -277,10 +287,7 @@ class ControlPlane:
             directive_interval_ms=s.directive_interval_ms,
             informer_max_backoff_ms=s.informer_max_backoff_ms,
             scheduler_id=s.scheduler_id,
-            log_level=s.log_level,
-            auth_tokens_file=s.auth_tokens_file,
-            auth_open_reads=s.auth_open_reads,
-            **self._tls(),
+            **self._common(),
             call_token=s.service_token,
             **s.scheduler_extra,  # type: ignore[arg-type]
         )

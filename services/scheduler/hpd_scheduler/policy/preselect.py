@@ -177,10 +177,9 @@ class Preselection:
         record (the first 64) unless ``record_drops`` is off."""
         prof = self.profile
         k = prof.top_k_prefill if role is Role.PREFILL else prof.top_k_decode
-        chain = self.reason  # the filter chain, as `filter` runs it
 
-        def drop(ws: WorkerState) -> str | None:
-            return chain(ws, role, ctx, colocated)
+        def drop(ws: WorkerState) -> str | None:  # the filter chain, as `filter` runs it
+            return self.reason(ws, role, ctx, colocated)
 
         mode = prof.preselect
         dropped: list[tuple[WorkerState, str]]
@@ -202,7 +201,6 @@ class Preselection:
 
         ref = ctx.fleet.ref_tokens
         request = ctx.request
-        static = self.prefill_scorers if role is Role.PREFILL else self.decode_scorers
         out: list[Candidate] = []
         for ws in kept:
             # a worker found by the prefix search has its match; any other checks its own
@@ -210,13 +208,7 @@ class Preselection:
             c = Candidate(
                 ws, role, request, ref, -1 if matches is None else matches.get(ws.idx, -1)
             )
-            total = 0.0
-            factors = c.factors
-            for score, name, weight in static:
-                v = score(c, ctx)
-                factors[name] = v
-                total += weight * v
-            c.score = total
+            self.score(c, ctx)
             out.append(c)
         return out
 
