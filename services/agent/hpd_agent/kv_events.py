@@ -38,8 +38,8 @@ as ``[b"", (topic,) sequence, payload]``, then a sequence of -1. With it the rel
   next one), reports the replayed history again rather than only what came after;
 * drops the live batches the replay already gave (the subscription runs during it).
 
-Without a replay endpoint (or one that does not answer in ``replay_timeout_s``) the relay
-behaves as without replay: a clear on start and on every gap.
+Without a replay endpoint (or one that falls silent for ``replay_timeout_s`` while
+answering) the relay behaves as without replay: a clear on start and on every gap.
 
 :class:`KvEventRelay` subscribes (pyzmq's asyncio socket), decodes, and hands the events
 to ``report`` in batches (every ``flush_s`` or ``max_batch`` events); the agent's report
@@ -350,20 +350,26 @@ class KvEventRelay:
         ctx = zmq.asyncio.Context.instance()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        # no receive bound: a ROUTER drops what does not fit its peer's queue (1,000
+        # messages by default), so a history longer than that, read by a busy agent, would
+        # lose its tail and the end marker; ZMQ's I/O thread takes it all in instead
+        sock.setsockopt(zmq.RCVHWM, 0)
         out: list[tuple[int, bytes]] = []
         try:
             sock.connect(self.replay_endpoint)
             await sock.send_multipart([b"", start.to_bytes(8, "big")])
-            async with asyncio.timeout(self.replay_timeout_s):
-                while True:
+            # the bound is on silence, not on the whole answer: a long history from an
+            # engine on a busy host takes longer than one batch's wait, and is still good
+            while True:
+                async with asyncio.timeout(self.replay_timeout_s):
                     frames = await sock.recv_multipart()
-                    if len(frames) >= 2 and frames[-2] == END_SEQ:
-                        break
-                    seq = sequence(frames)
-                    if seq is None:
-                        self.decoder.bad += 1
-                        continue
-                    out.append((seq, frames[-1]))
+                if len(frames) >= 2 and frames[-2] == END_SEQ:
+                    break
+                seq = sequence(frames)
+                if seq is None:
+                    self.decoder.bad += 1
+                    continue
+                out.append((seq, frames[-1]))
         except (TimeoutError, zmq.ZMQError) as exc:
             log.info(
                 "kv_events_replay_failed",

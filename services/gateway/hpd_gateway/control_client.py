@@ -104,7 +104,8 @@ class ControlPlane:
         self.timeout_s = timeout_s
         self.report_budget_s = report_budget_s
         self.streams = [ScheduleStreamClient(stub) for stub in self._stubs] if stream else []
-        self._turn = 0
+        self._turn = 0  # the next stream
+        self._unary_turn = 0  # the next channel for a unary call
 
     def _next_stream(self) -> ScheduleStreamClient | None:
         """The stream the next request goes over (round robin); None: unary Schedule."""
@@ -190,8 +191,8 @@ class ControlPlane:
         return plan_of(resp.plan)
 
     def _unary(self) -> s_grpc.SchedulerServiceStub:
-        self._turn = (self._turn + 1) % len(self._stubs)
-        return self._stubs[self._turn]
+        self._unary_turn = (self._unary_turn + 1) % len(self._stubs)
+        return self._stubs[self._unary_turn]
 
     async def report(self, request_id: str, out: Outcome) -> None:
         req = s.ReportOutcomeRequest(

@@ -26,13 +26,15 @@ BLOCK = 16
 class Engine:
     """A vLLM-like KV event publisher with a replay buffer of ``keep`` batches."""
 
-    def __init__(self, keep: int = 10_000) -> None:
+    def __init__(self, keep: int = 10_000, pace_s: float = 0.0, stall_after: int = -1) -> None:
         ctx = zmq.asyncio.Context.instance()
         self.pub = ctx.socket(zmq.PUB)
         self.pub.bind("tcp://127.0.0.1:0")
         self.router = ctx.socket(zmq.ROUTER)
         self.router.bind("tcp://127.0.0.1:0")
         self.keep = keep
+        self.pace_s = pace_s  # a wait before each replayed batch (a slow engine)
+        self.stall_after = stall_after  # replayed batches before it falls silent (-1: never)
         self.kept: list[tuple[int, bytes]] = []
         self.seq = 0
         self.replays: list[int] = []
@@ -54,10 +56,17 @@ class Engine:
             ident, _, start_raw = await self.router.recv_multipart()
             start = int.from_bytes(start_raw, "big")
             self.replays.append(start)
+            sent = 0
             for seq, payload in self.kept:
                 if seq >= start:
+                    if sent == self.stall_after:
+                        break
+                    if self.pace_s:
+                        await asyncio.sleep(self.pace_s)
                     await self.router.send_multipart([ident, b"", b"kv", _seq(seq), payload])
-            await self.router.send_multipart([ident, b"", b"kv", END_SEQ, b""])
+                    sent += 1
+            else:
+                await self.router.send_multipart([ident, b"", b"kv", END_SEQ, b""])
 
     def batch(self, *events: Any, send: bool = True) -> int:
         """Publish one batch (kept for replay); ``send=False`` keeps it without sending,
@@ -268,6 +277,41 @@ async def test_a_replay_endpoint_that_does_not_answer_is_the_same_as_none() -> N
         e.batch(stored([1], None, a))
         await until(lambda: chain_hashes(a, BLOCK)[0] in index.keys)
         assert relay.replays == 0
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    finally:
+        await e.close()
+
+
+@pytest.mark.parametrize("stall_after", [-1, 5])
+async def test_the_replay_wait_bounds_silence_not_the_whole_answer(stall_after: int) -> None:
+    """An engine answering steadily but slowly (ten batches, each 0.15 s apart: longer in
+    all than the 1 s wait) is replayed whole; one that falls silent halfway is the same
+    as no replay (nothing half-replayed is reported)."""
+    e = Engine(pace_s=0.15, stall_after=stall_after)
+    e.serve()
+    blocks = [prompt(1, 100 + i * BLOCK) for i in range(10)]
+    for i, block in enumerate(blocks):
+        e.batch(stored([i + 1], None, block), send=False)
+    index = Index()
+    try:
+        relay = KvEventRelay(
+            e.endpoint, index.report, "kv", flush_s=0.01, replay_endpoint=e.replay_endpoint,
+            replay_timeout_s=1.0,
+        )  # fmt: skip
+        task = asyncio.get_running_loop().create_task(relay.run())
+        await subscribed(e, relay, index)  # after the replay, answered or given up
+        if stall_after < 0:
+            want = {k for b in blocks for k in chain_hashes(b, BLOCK)}
+            await until(lambda: index.keys == want)
+            assert relay.replays == 1 and relay.replayed >= 10  # and the probes sent before
+        else:
+            live = prompt(1, 9_000)
+            e.batch(stored([99], None, live))
+            await until(lambda: bool(index.keys))
+            assert index.keys == set(chain_hashes(live, BLOCK))  # none of the half replay
+            assert relay.replays == 0 and relay.replayed == 0 and index.clears == 1
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
