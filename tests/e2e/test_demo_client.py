@@ -15,7 +15,7 @@ from hetero_pd.v1 import common_pb2 as c
 from hetero_pd.v1 import registry_pb2 as r
 from hpd_agent.worker_client import ClientTiming, WorkerClient
 from hpd_common.clock import SystemClock
-from hpd_registry.domain import LoadReport
+from hpd_common.worker_model import LoadReport
 from tests.support.fleet import capability
 from tests.support.servers import RegistryHandle
 

@@ -46,8 +46,8 @@ from hpd_agent.kv_events import KvEvent, KvEventRelay
 from hpd_common.channels import CallIdentity, aio_channel
 from hpd_common.clock import Clock
 from hpd_common.logging import get_logger
+from hpd_common.worker_model import LoadReport, WorkerSpec
 from hpd_registry.convert import spec_to_pb
-from hpd_registry.domain import LoadReport, WorkerSpec
 
 from .capability import AgentFlags, build_spec
 from .engines import EngineAdapter, EngineError

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from hpd_common.kvformat import KvDtype, KvFormat
-from hpd_registry.domain import NetworkLocation, Stage, WorkerSpec
+from hpd_common.worker_model import NetworkLocation, Stage, WorkerSpec
 
 from .engines import EngineFacts
 from .model_config import ModelGeometry, model_size_from_config

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hpd_registry.domain import LoadReport
+from hpd_common.worker_model import LoadReport
 
 from .engines import EngineSample
 

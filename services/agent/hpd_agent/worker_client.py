@@ -45,8 +45,8 @@ from hetero_pd.v1 import registry_pb2 as r
 from hetero_pd.v1 import registry_pb2_grpc as r_grpc
 from hpd_common.clock import Clock
 from hpd_common.logging import get_logger
+from hpd_common.worker_model import LoadReport
 from hpd_registry.convert import load_to_pb
-from hpd_registry.domain import LoadReport
 
 __all__ = [
     "TERMINAL_STATES",

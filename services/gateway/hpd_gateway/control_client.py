@@ -23,7 +23,7 @@ from hetero_pd.v1 import scheduler_pb2 as s
 from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
 from hpd_common.channels import CallIdentity, aio_channel
 from hpd_common.logging import get_logger
-from hpd_registry.domain import Stage
+from hpd_common.worker_model import Stage
 from hpd_registry.informer import CLIENT_OPTIONS, FleetInformer
 
 from .plan import RECOMPUTE, SAME_POOL, TRANSFER, Outcome, Plan, Step

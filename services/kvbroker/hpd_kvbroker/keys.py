@@ -27,9 +27,11 @@ Terminal sessions keep their hash, request key and feed history for `retention_m
 sweeper purges them then, and the hash and request key also carry a Redis TTL of
 retention plus a margin, so nothing outlives its retention even with no broker running.
 
-The broker also reads (never writes) the registry's worker hashes,
-`hpd_registry.keys.RegistryKeys.worker`, to check a caller's credential (field `cred`)
-and a worker's lease (field `exp`) inside the same script as the transition. Those keys
+The broker also reads (never writes) the two fields of the registry's worker hashes that
+the registry names for it (`hpd_registry.keys.WORKER_CREDENTIAL_FIELD`, `WORKER_LEASE_FIELD`)
+and judges the lease by the registry's own rule (`hpd_registry.scripts.LEASE_RULE`), to check
+a caller's credential and a worker's lease inside the same script as the transition (an
+RPC to the registry there would let a lease lapse between the check and the change). Those keys
 carry the hash tag `{reg}`, so the broker and the registry must share one Redis server
 (a single Redis or a Sentinel-managed primary); on Redis Cluster the two tags would have
 to map to one node.

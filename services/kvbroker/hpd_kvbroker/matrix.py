@@ -19,7 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hpd_common.kvformat import KvFormat, KvPolicy, Negotiation, negotiate
-from hpd_registry.domain import Stage, WorkerRecord
+from hpd_common.worker_model import Stage
+from hpd_registry.domain import WorkerRecord
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,7 @@ renders and calls them; key names are in `keys.py`."""
 from __future__ import annotations
 
 from hpd_kvbroker.domain import lua_terminal_set, lua_transition_table
+from hpd_registry.scripts import LEASE_RULE
 
 SESSION_FIELDS = (
     "sid", "rid", "src", "dst", "st", "exb", "done", "crt", "upd", "dl", "lexp", "ttl", "why",
@@ -106,26 +107,26 @@ local function expiry_reason(s)
   if tonumber(s.dl) < now then return 'deadline_exceeded' end
   return 'session_lease_expired'
 end
--- a worker's lease as the registry judges it, its post-outage grace included (the
--- registry's keys.py: a lease that ran out while no registry could write to Redis stays
--- live until its worker's next heartbeat), so a KV session and its parties' credentials
--- outlive a Redis outage exactly as the registration does
+"""
+    + LEASE_RULE
+    + """
+-- a worker's lease by the registry's rule, its post-outage grace included, so a KV session
+-- and its parties' credentials outlive a Redis outage exactly as the registration does
+-- (the grace hash is read only for a lease past its expiry)
 local function lease_ok(exp)
   if exp >= now then return true end
   local g = redis.call('HMGET', '@RG@', 'from', 'until', 'alive', 'gap')
-  local from, untl = tonumber(g[1] or '0') or 0, tonumber(g[2] or '0') or 0
-  local alive, gap = tonumber(g[3] or '0') or 0, tonumber(g[4] or '0') or 0
-  if now < untl and exp >= from then return true end
-  return alive > 0 and gap > 0 and now - alive > gap and exp >= alive
+  return lease_live(exp, tonumber(g[1] or '0') or 0, tonumber(g[2] or '0') or 0,
+                    tonumber(g[3] or '0') or 0, tonumber(g[4] or '0') or 0)
 end
 local function live(wid)
-  local exp = redis.call('HGET', RW .. wid, 'exp')
+  local exp = redis.call('HGET', RW .. wid, '@F_EXP@')
   return exp and lease_ok(tonumber(exp))
 end
 local function authorized(actor, cred, src, dst)
   if actor == '' then return 'ok' end
   if actor ~= src and actor ~= dst then return 'not_party' end
-  local w = redis.call('HMGET', RW .. actor, 'cred', 'exp')
+  local w = redis.call('HMGET', RW .. actor, '@F_CRED@', '@F_EXP@')
   if not w[1] or w[1] ~= cred or not lease_ok(tonumber(w[2] or '0')) then return 'denied' end
   return 'ok'
 end

@@ -40,7 +40,7 @@ from hpd_kvbroker.scripts import (
     SWEEP,
     TRANSITION,
 )
-from hpd_registry.keys import RegistryKeys
+from hpd_registry.keys import WORKER_CREDENTIAL_FIELD, WORKER_LEASE_FIELD, RegistryKeys
 
 _SAFE = re.compile(r"^[A-Za-z0-9._:{}\-]+$")
 """What a key prefix or number may contain to be written into a Lua string literal."""
@@ -220,6 +220,8 @@ class SessionStore:
             "@OP@": self.keys.open_prefix,
             "@RW@": self.registry_keys.worker_prefix,
             "@RG@": self.registry_keys.grace,
+            "@F_CRED@": WORKER_CREDENTIAL_FIELD,
+            "@F_EXP@": WORKER_LEASE_FIELD,
             "@RETAIN@": str(int(self.retention_ms)),
             "@FEEDMAX@": str(int(self.feed_max_len)),
         }

@@ -14,8 +14,9 @@ from hetero_pd.v1 import registry_pb2_grpc as r_grpc
 from hpd_common import auth, rpc
 from hpd_common.errors import InvalidArgument, PermissionDenied
 from hpd_common.server import ServiceComponent
+from hpd_common.worker_model import Health, LoadReport, Stage
 from hpd_registry import convert as cv
-from hpd_registry.domain import Health, LoadReport, Stage, WorkerFilter
+from hpd_registry.domain import WorkerFilter
 from hpd_registry.feed import WatchEvent
 from hpd_registry.heartbeats import HeartbeatInput, LeaseInfo
 from hpd_registry.service import RegistryService

@@ -9,17 +9,8 @@ from hetero_pd.v1 import common_pb2 as c
 from hetero_pd.v1 import registry_pb2 as r
 from hpd_common.errors import InvalidArgument
 from hpd_common.kvformat import KvDtype, KvFormat, KvLayout
-from hpd_registry.domain import (
-    Directive,
-    DirectiveKind,
-    Health,
-    LoadReport,
-    NetworkLocation,
-    PoolSummary,
-    Stage,
-    WorkerRecord,
-    WorkerSpec,
-)
+from hpd_common.worker_model import Health, LoadReport, NetworkLocation, Stage, WorkerSpec
+from hpd_registry.domain import Directive, DirectiveKind, PoolSummary, WorkerRecord
 
 T = TypeVar("T")
 

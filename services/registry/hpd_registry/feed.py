@@ -16,7 +16,8 @@ import redis.asyncio as aioredis
 from hpd_common.clock import Clock
 from hpd_common.errors import Unavailable
 from hpd_common.logging import get_logger
-from hpd_registry.domain import LoadReport, WorkerRecord
+from hpd_common.worker_model import LoadReport
+from hpd_registry.domain import WorkerRecord
 from hpd_registry.settings import RegistrySettings
 from hpd_registry.store import FeedEntry, HeartbeatItem, HeartbeatResult, RegistryStore
 

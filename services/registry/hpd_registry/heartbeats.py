@@ -12,7 +12,8 @@ from typing import Any
 from hpd_common.aio import cancel_and_wait
 from hpd_common.errors import InvalidArgument, NotFound, PermissionDenied
 from hpd_common.logging import get_logger
-from hpd_registry.domain import Directive, Health, LoadReport, flag_health
+from hpd_common.worker_model import Health, LoadReport
+from hpd_registry.domain import Directive, flag_health
 from hpd_registry.feed import RegistryState, stopping
 from hpd_registry.store import HeartbeatItem, HeartbeatResult, credential_hash
 from hpd_registry.validation import check_id, stamp_load, validate_load

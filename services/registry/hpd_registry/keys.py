@@ -46,6 +46,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+WORKER_CREDENTIAL_FIELD = "cred"
+WORKER_LEASE_FIELD = "exp"
+"""The two fields of a worker hash another service may read (the KV broker, in the same
+script as a session's transition, with the registry's lease rule, `scripts.LEASE_RULE`):
+the credential's hash and the lease expiry. Nothing outside the registry writes a worker
+hash or reads its other fields."""
+
 
 @dataclass(frozen=True, slots=True)
 class RegistryKeys:

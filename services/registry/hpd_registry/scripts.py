@@ -4,24 +4,37 @@ The store (`store.py`) loads and calls them; key names are in `keys.py`."""
 
 from __future__ import annotations
 
+LEASE_RULE = """
+-- A worker's lease as the registry judges it (`exp`, its expiry in ms), given the grace
+-- hash's fields (keys.py, `grace`): leases are judged by time in which a registry could
+-- write to Redis. After an outage (Redis or every registry away: no sweep for `gap` ms
+-- since `alive`, the last one) a lease that ran out since that sweep is still live: at
+-- once, and, once the first sweep after the outage has written `from` and `until`, until
+-- one lease after the outage ended. Shared as is by every script that judges a lease.
+local function lease_live(exp, g_from, g_until, alive, gap)
+  if exp >= now then return true end
+  if now < g_until and exp >= g_from then return true end
+  return alive > 0 and gap > 0 and now - alive > gap and exp >= alive
+end
+"""
+"""The registry's lease rule as a Lua function, for its own scripts and for the KV broker's
+(which checks a session's parties in the same script as the transition); a script that
+embeds it defines ``now`` before it."""
+
 # KEYS: 1 ids, 2 lease, 3 hb, 4 lat, 5 rev, 6 feed.
 # ARGV: 1 now_ms, 2 feed max length, 3 worker key prefix, 4 directive key prefix, then per script.
-PRELUDE = """
+PRELUDE = (
+    """
 local now = tonumber(ARGV[1])
--- Leases are judged by time in which a registry could write here (KEYS[7], kept by the
--- sweeper): 'alive' is its last sweep, 'gap' how long without one means an outage (Redis
--- or every registry away). After one, a lease that ran out since the last sweep before it
--- is still live: at once (no sweep yet: now - alive > gap) and, once the first sweep after
--- the outage has written 'from' and 'until', until one lease after the outage ended.
+"""
+    + LEASE_RULE
+    + """
+-- the grace hash (KEYS[7], kept by the sweeper: LEASE_RULE)
 local grace = redis.call('HMGET', KEYS[7], 'from', 'until', 'alive', 'gap')
 local grace_from = tonumber(grace[1] or '0') or 0
 local grace_until = tonumber(grace[2] or '0') or 0
 local alive = tonumber(grace[3] or '0') or 0
 local gap = tonumber(grace[4] or '0') or 0
-local function lapsed_ok(exp)
-  if now < grace_until and exp >= grace_from then return true end
-  return alive > 0 and gap > 0 and now - alive > gap and exp >= alive
-end
 local function emit_put(key, id)
   local rev = redis.call('INCR', KEYS[5])
   redis.call('HSET', key, 'rev', rev)
@@ -51,9 +64,10 @@ end
 local function live(key)
   if redis.call('EXISTS', key) == 0 then return false end
   local exp = tonumber(redis.call('HGET', key, 'exp') or '0')
-  return exp >= now or lapsed_ok(exp)
+  return lease_live(exp, grace_from, grace_until, alive, gap)
 end
 """
+)
 
 # ARGV 5 id, 6 presented credential hash ('' = none), 7 new credential hash, 8 spec, 9 ttl.
 REGISTER = (

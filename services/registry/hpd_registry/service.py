@@ -34,14 +34,13 @@ from hpd_common.errors import (
 )
 from hpd_common.gpus import GPU_ALIASES, GPU_PROFILES
 from hpd_common.logging import get_logger
+from hpd_common.worker_model import Health, WorkerSpec
 from hpd_registry.domain import (
     Directive,
     DirectiveKind,
-    Health,
     PoolSummary,
     WorkerFilter,
     WorkerRecord,
-    WorkerSpec,
     heartbeat_interval_of,
     summarize_pools,
 )

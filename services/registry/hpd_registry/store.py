@@ -23,7 +23,8 @@ from redis.exceptions import ResponseError
 from hpd_common.errors import Unavailable
 from hpd_common.logging import get_logger
 from hpd_common.redis_conn import STORE_DOWN
-from hpd_registry.domain import Directive, LoadReport, WorkerRecord, WorkerSpec, WorkerState
+from hpd_common.worker_model import LoadReport, WorkerSpec
+from hpd_registry.domain import Directive, WorkerRecord, WorkerState
 from hpd_registry.keys import RegistryKeys
 from hpd_registry.scripts import (
     ADMIN,

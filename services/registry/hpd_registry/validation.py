@@ -9,6 +9,7 @@ from dataclasses import replace
 
 from hpd_common.errors import InvalidArgument
 from hpd_common.kvformat import KvFormatError
+from hpd_common.worker_model import LoadReport, WorkerSpec
 from hpd_registry.domain import (
     CLOCK_SKEW_MS,
     ID_RE,
@@ -22,8 +23,6 @@ from hpd_registry.domain import (
     MAX_REPORT_AGE_MS,
     Directive,
     DirectiveKind,
-    LoadReport,
-    WorkerSpec,
 )
 
 

@@ -64,8 +64,8 @@ def worker_load(ws: WorkerState) -> float:
     load = ws.kv_used_fraction()
     rep = v.load
     if rep is not None:
-        if rep.max_queue_depth > 0:
-            load = max(load, min(1.0, ws.queue_depth() / rep.max_queue_depth))
+        if rep.queue_max > 0:
+            load = max(load, min(1.0, ws.queue_depth() / rep.queue_max))
         load = max(load, min(1.0, rep.batch_size / max(1, v.max_batch_size)))
     return load
 

@@ -255,8 +255,8 @@ class SchedulerService(PolicyAndDirectives, OutcomeReports, RouteRecords, Schedu
             return 0, 0
         v = ws.view
         slots = -1
-        if v.load is not None and v.load.max_queue_depth > 0:
-            slots = max(0, v.load.max_queue_depth - v.load.queue_depth)
+        if v.load is not None and v.load.queue_max > 0:
+            slots = max(0, v.load.queue_max - v.load.queue_depth)
         return v.kv_available_bytes, slots
 
     async def schedule(self, req: Request) -> ScheduleResult:

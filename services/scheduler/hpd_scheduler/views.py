@@ -18,8 +18,8 @@ applies to them exactly as to a report.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
-from hpd_registry.domain import Stage as RegStage
 from hpd_registry.domain import WorkerRecord, flag_health
 from hpd_scheduler.feedback import Ewma, ObservedEstimates
 from hpd_scheduler.policy import (
@@ -27,8 +27,6 @@ from hpd_scheduler.policy import (
     Link,
     LinkModel,
     LoadReport,
-    NetworkLocation,
-    Stage,
     WorkerView,
 )
 
@@ -41,15 +39,7 @@ def health_of(rec: WorkerRecord) -> Health:
     flagged = flag_health(
         unhealthy=st.unhealthy, suspect=st.suspect, draining=st.draining, cordoned=st.cordoned
     )
-    return Health(flagged.value.lower())
-
-
-def _stage(stages: tuple[RegStage, ...]) -> Stage:
-    pre = RegStage.PREFILL in stages
-    dec = RegStage.DECODE in stages
-    if pre and dec:
-        return Stage.BOTH
-    return Stage.PREFILL if pre else Stage.DECODE
+    return flagged
 
 
 def view_of(
@@ -70,55 +60,23 @@ def view_of(
     if r is not None:
         if r.kv_blocks_total > 0:
             free = int(total * min(1.0, max(0.0, r.kv_blocks_free / r.kv_blocks_total)))
-        tps = r.prefill_tokens_per_s or (tps_obs.value if tps_obs else 0.0)
-        itl = r.itl_p50_ms or (itl_obs.value if itl_obs else 0.0)
-        load = LoadReport(
-            reported_at_s=r.reported_at_ms / 1000.0,
-            queue_depth=r.queue_depth,
-            max_queue_depth=r.queue_max,
-            running_prefills=r.running_prefills,
-            batch_size=r.batch_size,
-            itl_p50_ms=itl,
-            itl_p99_ms=r.itl_p99_ms,
-            prefill_tokens_per_s=tps,
-            kv_blocks_free=r.kv_blocks_free,
-            kv_blocks_total=r.kv_blocks_total,
-            gpu_util=r.gpu_util,
-            mem_util=r.memory_util,
-        )
+        load = r
+        if (not r.prefill_tokens_per_s and tps_obs) or (not r.itl_p50_ms and itl_obs):
+            load = replace(
+                r,
+                prefill_tokens_per_s=r.prefill_tokens_per_s or (tps_obs.value if tps_obs else 0.0),
+                itl_p50_ms=r.itl_p50_ms or (itl_obs.value if itl_obs else 0.0),
+            )
     elif tps_obs is not None or itl_obs is not None:
         when = max(
             tps_obs.updated_at_s if tps_obs else 0.0, itl_obs.updated_at_s if itl_obs else 0.0
         )
         load = LoadReport(
-            reported_at_s=when,
+            reported_at_ms=round(when * 1000),
             itl_p50_ms=itl_obs.value if itl_obs else 0.0,
             prefill_tokens_per_s=tps_obs.value if tps_obs else 0.0,
         )
-    net = spec.network
-    return WorkerView(
-        worker_id=spec.worker_id,
-        pool_id=spec.pool_id,
-        stage=_stage(spec.stages),
-        model_id=spec.model_id,
-        kv_format=spec.kv_format,
-        endpoint=spec.endpoint,
-        model_revision=spec.model_revision,
-        gpu_profile=spec.gpu_type,
-        gpu_count=max(1, spec.gpu_count),
-        tp_size=max(1, spec.tp_size),
-        kv_total_bytes=total,
-        kv_available_bytes=free,
-        max_batch_size=max(1, spec.max_batch_size),
-        location=NetworkLocation(
-            zone=net.zone, rack=net.rack, host=net.host, nic_gbps=net.nic_gbps or 100.0
-        ),
-        health=health_of(rec),
-        labels=dict(spec.labels),
-        load=load,
-        peak_tflops=spec.peak_tflops or None,
-        hbm_gbps=spec.hbm_gbps or None,
-    )
+    return WorkerView(spec, kv_available_bytes=free, health=health_of(rec), load=load)
 
 
 def link_model(

@@ -413,7 +413,7 @@ async def run_demo(
                     w.worker_id: {
                         "pool": w.view.pool_id,
                         "stage": w.view.stage.value,
-                        "gpu": w.view.gpu_profile,
+                        "gpu": w.view.gpu_type,
                         "killed": w.killed,
                         "killed_at_unix_ms": w.killed_at_unix_ms,
                         "registrations": w.client.registrations,

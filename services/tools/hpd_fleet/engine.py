@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from hpd_common import perfmodel
 from hpd_common.gpus import GpuProfile
 from hpd_common.kvformat import KvDtype
-from hpd_registry.domain import LoadReport
+from hpd_common.worker_model import LoadReport
 from hpd_sim.metrics import percentile
 
 __all__ = [

@@ -72,7 +72,7 @@ _STAGES = {
 
 def capability_of(view: WorkerView, worker_id: str, port: int) -> c.WorkerCapability:
     """The registry capability record of one emulated worker (``view`` from the cluster)."""
-    loc = view.location
+    loc = view.network
     return c.WorkerCapability(
         worker_id=worker_id,
         pool_id=view.pool_id,
@@ -82,11 +82,11 @@ def capability_of(view: WorkerView, worker_id: str, port: int) -> c.WorkerCapabi
         model_revision=view.model_revision,
         engine="hpd-emulated",
         engine_version="1",
-        gpu_type=view.gpu_profile,
+        gpu_type=view.gpu_type,
         gpu_count=view.gpu_count,
         tp_size=view.tp_size,
         pp_size=1,
-        kv_memory_total_bytes=view.kv_total_bytes,
+        kv_memory_total_bytes=view.kv_memory_total_bytes,
         max_batch_size=view.max_batch_size,
         kv_format=kv_format_to_pb(view.kv_format),
         network=c.NetworkLocation(
@@ -103,10 +103,10 @@ def engine_spec_of(cluster: ClusterSpec, view: WorkerView, worker_id: str) -> En
         worker_id=worker_id,
         pool_id=view.pool_id,
         model=cluster.model,
-        gpu=gpu_profile(view.gpu_profile),
+        gpu=gpu_profile(view.gpu_type),
         tp=view.tp_size,
         kv_dtype=view.kv_format.dtype,
-        kv_capacity_tokens=max(1, view.kv_total_bytes // per_token),
+        kv_capacity_tokens=max(1, view.kv_memory_total_bytes // per_token),
         block_size_tokens=view.kv_format.block_size_tokens,
         max_batch_size=view.max_batch_size,
         efficiency=cluster.efficiency,

@@ -51,7 +51,7 @@ def render(gateway: Replay, fleet: Fleet, elapsed_s: float) -> list[str]:
         util = sum(w.engine.load_report().gpu_util for w in alive) / max(1, len(alive))
         v = ws[0].view
         lines.append(
-            f"{pool_id:<16}{v.gpu_profile:<10}{v.stage.value:<9}{len(alive):>3}/{len(ws):<1}"
+            f"{pool_id:<16}{v.gpu_type:<10}{v.stage.value:<9}{len(alive):>3}/{len(ws):<1}"
             f"{queue:>7}{batch:>7}{used / cap:>8.0%}{util:>7.0%}"
         )
     lines.append(f"modes: {_top(st.modes)}   fallbacks: {_top(st.fallbacks, 3)}")

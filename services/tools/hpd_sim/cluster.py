@@ -42,7 +42,15 @@ import yaml
 from hpd_common import perfmodel
 from hpd_common.gpus import GpuProfile, UnknownGpuError, gpu_profile
 from hpd_common.kvformat import KvDtype, KvFormat, KvLayout
-from hpd_scheduler.policy import LinkModel, Locality, NetworkLocation, Stage, WorkerView
+from hpd_scheduler.policy import (
+    LinkModel,
+    Locality,
+    NetworkLocation,
+    Stage,
+    WorkerSpec,
+    WorkerView,
+    declared_stages,
+)
 from hpd_scheduler.policy.links import locality
 
 __all__ = [
@@ -146,26 +154,33 @@ class ClusterSpec:
             for i in range(pool.count):
                 views.append(
                     WorkerView(
-                        worker_id=f"{pool.pool_id}-{i}",
-                        pool_id=pool.pool_id,
-                        stage=pool.stage,
-                        model_id=self.model.name,
-                        kv_format=fmt,
-                        endpoint=f"sim://{pool.pool_id}/{i}",
-                        model_revision=self.model.name,
-                        gpu_profile=pool.gpu.name,
-                        gpu_count=pool.tp,
-                        tp_size=pool.tp,
-                        kv_total_bytes=kv_total,
-                        kv_available_bytes=kv_total,
-                        max_batch_size=pool.max_batch_size,
-                        location=NetworkLocation(
-                            zone=pool.zone,
-                            rack=pool.rack,
-                            host=f"{pool.pool_id}-{i}",
-                            nic_gbps=pool.nic_gbps,
+                        WorkerSpec(
+                            worker_id=f"{pool.pool_id}-{i}",
+                            pool_id=pool.pool_id,
+                            endpoint=f"sim://{pool.pool_id}/{i}",
+                            stages=declared_stages(pool.stage),
+                            model_id=self.model.name,
+                            model_revision=self.model.name,
+                            engine="sim",
+                            engine_version="",
+                            gpu_type=pool.gpu.name,
+                            gpu_count=pool.tp,
+                            tp_size=pool.tp,
+                            pp_size=1,
+                            peak_tflops=0.0,
+                            hbm_gbps=0.0,
+                            kv_memory_total_bytes=kv_total,
+                            max_batch_size=pool.max_batch_size,
+                            kv_format=fmt,
+                            network=NetworkLocation(
+                                zone=pool.zone,
+                                rack=pool.rack,
+                                host=f"{pool.pool_id}-{i}",
+                                nic_gbps=pool.nic_gbps,
+                            ),
+                            labels=tuple(sorted(pool.labels.items())),
                         ),
-                        labels=pool.labels,
+                        kv_available_bytes=kv_total,
                     )
                 )
         return views
@@ -176,8 +191,8 @@ class ClusterSpec:
             return ("pools", src.pool_id, dst.pool_id)
         loc = locality(src, dst)
         if loc is Locality.SAME_HOST:
-            return ("host", src.location.host)
-        return (str(loc.value), src.location.zone, dst.location.zone)
+            return ("host", src.network.host)
+        return (str(loc.value), src.network.zone, dst.network.zone)
 
 
 def default_cluster_path() -> Path:

@@ -240,7 +240,7 @@ class _Worker:
         self.active = False
         self.tp = view.tp_size
         self.bpt = view.kv_format.bytes_per_token()
-        self.kv_cap = view.kv_total_bytes // self.bpt if self.bpt else 0
+        self.kv_cap = view.kv_memory_total_bytes // self.bpt if self.bpt else 0
         self.kv_used = 0
         self.max_batch = view.max_batch_size
         self.admit_q: deque[int] = deque()
@@ -401,9 +401,9 @@ class Simulator:
             p50 = p99 = 0.0
         blocks_total = w.kv_cap // v.kv_format.block_size_tokens
         load = LoadReport(
-            reported_at_s=now,
+            reported_at_ms=round(now * 1000),
             queue_depth=len(w.admit_q) + len(w.prefill_q),
-            max_queue_depth=0,
+            queue_max=0,
             running_prefills=1 if (w.busy and w.iter_kind == 0) else 0,
             batch_size=w.batch + len(w.joiners),
             itl_p50_ms=p50,
@@ -412,24 +412,11 @@ class Simulator:
             kv_blocks_free=(w.kv_cap - w.kv_used) // v.kv_format.block_size_tokens,
             kv_blocks_total=blocks_total,
             gpu_util=self._util(w, now),
-            mem_util=w.kv_used / w.kv_cap if w.kv_cap else 1.0,
+            memory_util=w.kv_used / w.kv_cap if w.kv_cap else 1.0,
         )
         return WorkerView(
-            worker_id=v.worker_id,
-            pool_id=v.pool_id,
-            stage=v.stage,
-            model_id=v.model_id,
-            kv_format=v.kv_format,
-            endpoint=v.endpoint,
-            model_revision=v.model_revision,
-            gpu_profile=v.gpu_profile,
-            gpu_count=v.gpu_count,
-            tp_size=v.tp_size,
-            kv_total_bytes=v.kv_total_bytes,
+            v.spec,
             kv_available_bytes=free,
-            max_batch_size=v.max_batch_size,
-            location=v.location,
-            labels=v.labels,
             load=load,
             pending_requests=w.pending_reqs,
             pending_kv_bytes=w.pending_kv,

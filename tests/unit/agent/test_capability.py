@@ -21,7 +21,7 @@ from hpd_agent.engines import EngineFacts, SglangAdapter, VllmAdapter
 from hpd_agent.model_config import ModelGeometry
 from hpd_common.errors import InvalidArgument
 from hpd_common.kvformat import KvDtype, KvFormat, KvLayout
-from hpd_registry.domain import NetworkLocation, Stage, WorkerSpec
+from hpd_common.worker_model import NetworkLocation, Stage, WorkerSpec
 from hpd_registry.validation import validate_spec
 from tests.unit.agent.recorded import TINY, TINY_KV_BYTES, read_bytes, sglang_answers, vllm_answers
 

@@ -11,7 +11,7 @@ import pytest
 
 from hpd_agent.engines import EngineSample, SglangAdapter, VllmAdapter
 from hpd_agent.load import LoadTracker, histogram_quantile
-from hpd_registry.domain import LoadReport
+from hpd_common.worker_model import LoadReport
 from hpd_registry.validation import validate_load
 from tests.unit.agent.recorded import read
 

@@ -7,8 +7,9 @@ from dataclasses import replace
 import pytest
 
 from hpd_common.kvformat import DEFAULT_KV_POLICY, KvDtype, KvFormat, KvLayout, Verdict
+from hpd_common.worker_model import Stage, WorkerSpec
 from hpd_kvbroker.matrix import CompatibilityMatrix
-from hpd_registry.domain import Stage, WorkerRecord, WorkerSpec, WorkerState
+from hpd_registry.domain import WorkerRecord, WorkerState
 
 KV = KvFormat(KvDtype.BF16, KvLayout.PAGED_NHD, 16, 32, 8, 128, 1, "flash_attn", "rev-a")
 

@@ -22,8 +22,10 @@ from hpd_scheduler.policy import (
     Request,
     Role,
     Stage,
+    WorkerSpec,
     WorkerView,
     builtin_profile,
+    declared_stages,
 )
 from hpd_scheduler.policy.domain import ResourceNeed
 from hpd_scheduler.policy.framework import RequestContext
@@ -61,33 +63,43 @@ def worker(
     load = None
     if reported_at is not None:
         load = LoadReport(
-            reported_at_s=reported_at,
+            reported_at_ms=round(reported_at * 1000),
             queue_depth=queue,
-            max_queue_depth=64,
+            queue_max=64,
             batch_size=batch,
             itl_p50_ms=itl_p50_ms,
             prefill_tokens_per_s=prefill_tps,
         )
+    spec_extra = {k: extra.pop(k) for k in list(extra) if k in WorkerSpec.__dataclass_fields__}
+    if "labels" in spec_extra:
+        spec_extra["labels"] = tuple(sorted(dict(spec_extra["labels"]).items()))
+    spec = WorkerSpec(
+        **{
+            "worker_id": worker_id,
+            "pool_id": pool or f"pool-{worker_id}",
+            "endpoint": f"{worker_id}:8000",
+            "stages": declared_stages(stage),
+            "model_id": MODEL,
+            "model_revision": revision,
+            "engine": "vllm",
+            "engine_version": "",
+            "gpu_type": gpu,
+            "gpu_count": tp,
+            "tp_size": tp,
+            "pp_size": 1,
+            "peak_tflops": 0.0,
+            "hbm_gbps": 0.0,
+            "kv_memory_total_bytes": int(kv_total_gib * GIB),
+            "max_batch_size": 256,
+            "kv_format": model_spec(MODEL).kv_format(dtype=dtype, layout=layout, tp_size=tp),
+            "network": NetworkLocation(
+                zone=zone, rack=rack, host=host or f"host-{worker_id}", nic_gbps=nic_gbps
+            ),
+            **spec_extra,
+        }
+    )
     return WorkerView(
-        worker_id=worker_id,
-        pool_id=pool or f"pool-{worker_id}",
-        stage=stage,
-        model_id=MODEL,
-        kv_format=model_spec(MODEL).kv_format(dtype=dtype, layout=layout, tp_size=tp),
-        endpoint=f"{worker_id}:8000",
-        model_revision=revision,
-        gpu_profile=gpu,
-        gpu_count=tp,
-        tp_size=tp,
-        kv_total_bytes=int(kv_total_gib * GIB),
-        kv_available_bytes=int(kv_free_gib * GIB),
-        max_batch_size=256,
-        location=NetworkLocation(
-            zone=zone, rack=rack, host=host or f"host-{worker_id}", nic_gbps=nic_gbps
-        ),
-        health=health,
-        load=load,
-        **extra,
+        spec, kv_available_bytes=int(kv_free_gib * GIB), health=health, load=load, **extra
     )
 
 

@@ -388,7 +388,7 @@ def test_a_model_outside_the_table_is_priced_by_the_size_its_agent_read() -> Non
     orders of magnitude slower than its engine, and admission refused its requests)."""
 
     def unknown(wid: str, **labels: str) -> WorkerView:
-        return replace(worker(wid, labels=labels), model_id="tiny-x")
+        return worker(wid, labels=labels, model_id="tiny-x")
 
     sized = unknown("t", **{"model-params": "557056", "model-attention-width": "128"})
     spec = resolve_model(sized)

@@ -124,7 +124,7 @@ def test_decisions_are_safe_and_deterministic(views: list, req, name: str, seed:
                 * (req.prompt_tokens + req.expected_output_tokens)
                 * ws.cap.kv_bytes_per_token
                 and (ws.reported_at_s is None or NOW - ws.reported_at_s <= 30.0)
-                and (ws.view.load is None or ws.queue_depth() < ws.view.load.max_queue_depth)
+                and (ws.view.load is None or ws.queue_depth() < ws.view.load.queue_max)
                 and (name != "colocated" or ws.view.stage is Stage.BOTH)
             ]
             if fleet.index(MODEL, Role.DECODE) is not None
@@ -149,17 +149,17 @@ def test_kv_incompatibility_alone_never_drops_a_worker(views: list, req) -> None
             v.worker_id,
             v.stage,
             pool=v.pool_id,
-            gpu=v.gpu_profile,
+            gpu=v.gpu_type,
             tp=v.tp_size,
             dtype=KvDtype.FP8_E5M2,
-            kv_total_gib=v.kv_total_bytes / (1 << 30),
+            kv_total_gib=v.kv_memory_total_bytes / (1 << 30),
             kv_free_gib=v.kv_available_bytes / (1 << 30),
             queue=v.load.queue_depth if v.load else 0,
             batch=v.load.batch_size if v.load else 0,
             reported_at=v.load.reported_at_s if v.load else None,
             health=v.health,
-            zone=v.location.zone,
-            rack=v.location.rack,
+            zone=v.network.zone,
+            rack=v.network.rack,
         )
         for v in views
     ]
@@ -296,4 +296,4 @@ def test_handoff_terms_shared_by_link_class_equal_each_pairs_own(places: list) -
                         neg.cost_ms_per_gib / GIB_BYTES,
                         tuple(str(r) for r in neg.reasons),
                     )
-                assert fleet.handoff_terms(a, b) == want, (a.view.location, b.view.location)
+                assert fleet.handoff_terms(a, b) == want, (a.view.network, b.view.network)

@@ -4,9 +4,10 @@ goes to the same package or to a lower layer, never up and never sideways.
 Layers, lowest first (a package may import its own layer's package and anything below):
 
 0. the contracts: ``hetero_pd`` (generated code, imports nothing of ours);
-1. the foundation: ``hpd_common`` (server runtime, errors, logging, Redis, KV-format rules,
-   the GPU performance model);
-2. ``hpd_registry`` (the worker model and the informer other services follow it with);
+1. the foundation: ``hpd_common`` (server runtime, errors, logging, Redis, the shared worker
+   model, KV-format rules, the GPU performance model);
+2. ``hpd_registry`` (worker state and health rules, and the informer other services follow
+   the fleet with);
 3. the services built on the registry: ``hpd_scheduler`` and ``hpd_kvbroker`` (siblings:
    neither imports the other; they talk over gRPC);
 4. the edges: ``hpd_gateway`` and ``hpd_agent`` (siblings);
@@ -46,7 +47,7 @@ POLICY = "hpd_scheduler.policy"
 # the policy core's foundation: pure rules and models, no I/O (no logging, Redis or gRPC)
 POLICY_FOUNDATION = ("hpd_common.kvformat", "hpd_common.kvchain", "hpd_common.gpus",
                      "hpd_common.perfmodel", "hpd_common.yamlsafe", "hpd_common.native",
-                     "hpd_common.errors")  # fmt: skip
+                     "hpd_common.errors", "hpd_common.worker_model")  # fmt: skip
 
 
 def module_name(path: Path) -> str:

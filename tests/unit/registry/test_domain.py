@@ -10,17 +10,8 @@ import pytest
 
 from hpd_common.errors import InvalidArgument
 from hpd_common.kvformat import KvDtype, KvFormat, KvLayout
-from hpd_registry.domain import (
-    Health,
-    LoadReport,
-    NetworkLocation,
-    Stage,
-    WorkerRecord,
-    WorkerSpec,
-    WorkerState,
-    derive_health,
-    summarize_pools,
-)
+from hpd_common.worker_model import Health, LoadReport, NetworkLocation, Stage, WorkerSpec
+from hpd_registry.domain import WorkerRecord, WorkerState, derive_health, summarize_pools
 from hpd_registry.validation import validate_load, validate_spec
 
 NOW = 1_700_000_000_000

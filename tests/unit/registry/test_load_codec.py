@@ -8,7 +8,7 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hpd_registry.domain import LoadReport
+from hpd_common.worker_model import LoadReport
 from hpd_registry.store import canonical_json, decode_load, encode_load
 
 ints = st.integers(min_value=-(2**63), max_value=2**63 - 1)

@@ -10,7 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hpd_common.kvformat import KvDtype, KvFormat, KvLayout
-from hpd_registry.domain import LoadReport, Stage, WorkerRecord, WorkerSpec, WorkerState
+from hpd_common.worker_model import LoadReport, Stage, WorkerSpec
+from hpd_registry.domain import WorkerRecord, WorkerState
 from hpd_scheduler.feedback import Ewma, ObservedEstimates, observation_from
 from hpd_scheduler.policy import ConfigError, Health, Mode
 from hpd_scheduler.policy import Stage as PStage

@@ -195,7 +195,7 @@ def test_kv_memory_fills_and_frees_and_the_policy_sees_it() -> None:
         ],
     }
     cluster = parse_cluster(doc)
-    cap = cluster.worker_views()[1].kv_total_bytes // BPT
+    cap = cluster.worker_views()[1].kv_memory_total_bytes // BPT
     prompt = int(cap * 0.6)
     reqs = [
         TraceRequest(0.0, prompt, 20),

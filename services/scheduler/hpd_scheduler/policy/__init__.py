@@ -39,7 +39,9 @@ from .domain import (
     Role,
     Stage,
     Tier,
+    WorkerSpec,
     WorkerView,
+    declared_stages,
 )
 from .errors import ConfigError, InvalidInputError, PolicyError, UnknownPluginError
 from .fleet import Fleet, WorkerState
@@ -101,6 +103,7 @@ __all__ = [
     "StalenessPolicy",
     "Tier",
     "UnknownPluginError",
+    "WorkerSpec",
     "WorkerState",
     "WorkerView",
     "adapt_batch_size",
@@ -109,6 +112,7 @@ __all__ = [
     "builtin_profile_names",
     "classify_need",
     "confidence",
+    "declared_stages",
     "detect_imbalance",
     "load_profile",
     "parse_profile",

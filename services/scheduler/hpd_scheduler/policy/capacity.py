@@ -74,10 +74,10 @@ def resolve_gpu(view: WorkerView) -> GpuProfile | None:
     """The worker's GPU profile: table entry, with per-GPU overrides applied; None when the
     name is unknown and no figures were given."""
     try:
-        base = gpu_profile(view.gpu_profile)
+        base = gpu_profile(view.gpu_type)
     except UnknownGpuError:
         if view.peak_tflops and view.hbm_gbps:
-            return GpuProfile(view.gpu_profile, view.peak_tflops, 0.0, 0.0, view.hbm_gbps, 0.0, 0.0)
+            return GpuProfile(view.gpu_type, view.peak_tflops, 0.0, 0.0, view.hbm_gbps, 0.0, 0.0)
         return None
     if view.peak_tflops or view.hbm_gbps:
         return GpuProfile(

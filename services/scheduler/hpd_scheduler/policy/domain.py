@@ -2,8 +2,10 @@
 
 These are plain frozen values, built by the scheduler service from its informer's view of the
 registry, or by the simulator from its own state. Nothing here performs I/O or reads a clock:
-``reported_at_s`` and ``now_s`` are seconds on whatever clock the caller uses (wall clock in
-the service, simulated clock in the simulator); only differences between them matter.
+a load report's ``reported_at_ms`` and a decision's ``now_s`` are on whatever clock the caller
+uses (wall clock in the service, simulated clock in the simulator); only differences between
+them matter. The load report and the network location are the ones every layer shares
+(``hpd_common.worker_model``).
 
 Units are in the names: ``_bytes``, ``_ms``, ``_s``, ``_gbps`` (10^9 bit/s).
 """
@@ -15,6 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from hpd_common.kvformat import KvFormat
+from hpd_common.worker_model import Health, LoadReport, NetworkLocation, WorkerSpec
+from hpd_common.worker_model import Stage as DeclaredStage
 
 from .errors import InvalidInputError
 
@@ -30,7 +34,9 @@ __all__ = [
     "Role",
     "Stage",
     "Tier",
+    "WorkerSpec",
     "WorkerView",
+    "declared_stages",
 ]
 
 
@@ -54,22 +60,6 @@ class Role(enum.StrEnum):
 
 
 _BOTH = Stage.BOTH
-
-
-class Health(enum.StrEnum):
-    """Health state as the registry reports it.
-
-    Only HEALTHY and SUSPECT workers receive new work; SUSPECT ones (a missed heartbeat) are
-    kept but their stale report lowers their score. DRAINING, CORDONED, UNHEALTHY and EXPIRED
-    workers are never chosen.
-    """
-
-    HEALTHY = "healthy"
-    SUSPECT = "suspect"
-    DRAINING = "draining"
-    CORDONED = "cordoned"
-    UNHEALTHY = "unhealthy"
-    EXPIRED = "expired"
 
 
 SCHEDULABLE_HEALTH: frozenset[Health] = frozenset({Health.HEALTHY, Health.SUSPECT})
@@ -106,72 +96,104 @@ class DecisionKind(enum.StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
-class NetworkLocation:
-    """Where a worker is attached: zone / rack / host and its NIC bandwidth (Gb/s)."""
-
-    zone: str = ""
-    rack: str = ""
-    host: str = ""
-    nic_gbps: float = 100.0
-
-
-@dataclass(frozen=True, slots=True)
-class LoadReport:
-    """The last load report a worker sent, as received (not trusted blindly: see staleness).
-
-    Zero means "not reported" for the throughput and latency figures.
-    ``max_queue_depth`` 0 means the worker did not declare a bound.
-    """
-
-    reported_at_s: float
-    queue_depth: int = 0
-    max_queue_depth: int = 0
-    running_prefills: int = 0
-    batch_size: int = 0
-    itl_p50_ms: float = 0.0
-    itl_p99_ms: float = 0.0
-    prefill_tokens_per_s: float = 0.0
-    kv_blocks_free: int = 0
-    kv_blocks_total: int = 0
-    gpu_util: float = 0.0
-    mem_util: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
 class WorkerView:
-    """One worker as the scheduler sees it: capability record + health + last load report.
+    """One worker as the planner sees it: the worker's own spec (the one worker model,
+    ``hpd_common.worker_model``, as the registry holds it) and what the scheduler knows
+    beside it: health, the last load report, free KV memory, its own reservations.
 
-    ``kv_total_bytes`` / ``kv_available_bytes``: memory for KV cache on the worker (all its
-    GPUs together). ``pending_*``: reservations the scheduler holds against this worker that the
-    load report cannot show yet (requests planned but not started); they count as load.
-    ``peak_tflops`` / ``hbm_gbps`` override the GPU profile table per GPU when given.
-    ``hard_max_batch_size`` is the ceiling adaptive batching may raise the cap to (0: the
-    current ``max_batch_size`` is also the hard ceiling).
+    ``kv_available_bytes``: free KV memory on the worker (all its GPUs together), of the
+    spec's ``kv_memory_total_bytes``. ``pending_*``: reservations the scheduler holds against
+    this worker that the load report cannot show yet (requests planned but not started);
+    they count as load. ``hard_max_batch_size`` is the ceiling adaptive batching may raise
+    the cap to (0: the spec's ``max_batch_size`` is also the hard ceiling).
+
+    Fixed at construction from the spec, for the planner's hot path: ``stage`` (the spec's
+    stages as one value: prefill, decode or both) and ``labels`` (as a mapping). The other
+    figures are the spec's, read through it; ``peak_tflops`` / ``hbm_gbps`` are None when the
+    spec gives none (the GPU profile table's figures apply then).
     """
 
-    worker_id: str
-    pool_id: str
-    stage: Stage
-    model_id: str
-    kv_format: KvFormat
-    endpoint: str = ""
-    model_revision: str = ""
-    gpu_profile: str = "H100-SXM"
-    gpu_count: int = 1
-    tp_size: int = 1
-    kv_total_bytes: int = 0
-    kv_available_bytes: int = 0
-    max_batch_size: int = 256
-    hard_max_batch_size: int = 0
-    location: NetworkLocation = NetworkLocation()
+    spec: WorkerSpec
+    kv_available_bytes: int
     health: Health = Health.HEALTHY
-    labels: Mapping[str, str] = field(default_factory=dict)
     load: LoadReport | None = None
+    hard_max_batch_size: int = 0
     pending_requests: int = 0
     pending_kv_bytes: int = 0
     pending_prefill_tokens: int = 0
-    peak_tflops: float | None = None
-    hbm_gbps: float | None = None
+    stage: Stage = field(init=False)
+    labels: Mapping[str, str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        stages = self.spec.stages
+        pre, dec = DeclaredStage.PREFILL in stages, DeclaredStage.DECODE in stages
+        stage = Stage.BOTH if pre and dec else Stage.PREFILL if pre else Stage.DECODE
+        object.__setattr__(self, "stage", stage)
+        object.__setattr__(self, "labels", dict(self.spec.labels))
+
+    @property
+    def worker_id(self) -> str:
+        return self.spec.worker_id
+
+    @property
+    def pool_id(self) -> str:
+        return self.spec.pool_id
+
+    @property
+    def model_id(self) -> str:
+        return self.spec.model_id
+
+    @property
+    def model_revision(self) -> str:
+        return self.spec.model_revision
+
+    @property
+    def kv_format(self) -> KvFormat:
+        return self.spec.kv_format
+
+    @property
+    def endpoint(self) -> str:
+        return self.spec.endpoint
+
+    @property
+    def gpu_type(self) -> str:
+        return self.spec.gpu_type
+
+    @property
+    def gpu_count(self) -> int:
+        return max(1, self.spec.gpu_count)
+
+    @property
+    def tp_size(self) -> int:
+        return max(1, self.spec.tp_size)
+
+    @property
+    def kv_memory_total_bytes(self) -> int:
+        return self.spec.kv_memory_total_bytes
+
+    @property
+    def max_batch_size(self) -> int:
+        return max(1, self.spec.max_batch_size)
+
+    @property
+    def network(self) -> NetworkLocation:
+        return self.spec.network
+
+    @property
+    def peak_tflops(self) -> float | None:
+        return self.spec.peak_tflops or None
+
+    @property
+    def hbm_gbps(self) -> float | None:
+        return self.spec.hbm_gbps or None
+
+
+def declared_stages(stage: Stage) -> tuple[DeclaredStage, ...]:
+    """The stages a worker's spec lists for what it serves (the inverse of
+    :attr:`WorkerView.stage`): for a worker made up by the simulator or a test."""
+    if stage is Stage.BOTH:
+        return (DeclaredStage.PREFILL, DeclaredStage.DECODE)
+    return (DeclaredStage.PREFILL,) if stage is Stage.PREFILL else (DeclaredStage.DECODE,)
 
 
 MAX_PREFIX_BLOCKS = 8192  # 1M tokens at 128 per block

@@ -251,7 +251,7 @@ class Fleet:
                 raise InvalidInputError("worker_id", f"duplicate worker {view.worker_id!r}")
             cap, reason = _capacity_of(view, reuse.get(view.worker_id), ref_prompt_tokens)
             if reason is None and view.health not in SCHEDULABLE_HEALTH:
-                reason = str(view.health.value)
+                reason = str(view.health.value).lower()
             ws: WorkerState | None = None
             if cap is not None:
                 ws = WorkerState(
@@ -331,7 +331,7 @@ class Fleet:
         while the link model and KV policy are the same: a worker first paired in a decision
         (a prefix holder outside the usual top k) costs a lookup, not a negotiation and a link
         resolution (about 3 us a pair, measured by bench/kv_index.py's decision p99)."""
-        a, b = src.view.location, dst.view.location
+        a, b = src.view.network, dst.view.network
         key = (src.link_class, dst.link_class, bool(a.host) and a.host == b.host)
         hit = self._handoff_cache.get(key, _MISS)
         if hit is not _MISS:
@@ -353,10 +353,10 @@ class Fleet:
         """An id shared by workers whose hand-off figures to and from any worker are the same
         (pool, KV format, connector direction, zone, rack, NIC), except for sharing a host,
         which :meth:`handoff_terms` checks per pair."""
-        loc = view.location
+        loc = view.network
         sig = (
             view.pool_id, view.kv_format, view.labels.get("kv-role"),
-            loc.zone, loc.rack, loc.nic_gbps,
+            loc.zone, loc.rack, loc.nic_or_assumed_gbps,
         )  # fmt: skip
         got = self._classes.get(sig)
         if got is None:

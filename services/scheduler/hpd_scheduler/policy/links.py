@@ -58,7 +58,7 @@ _DEFAULT_CLASSES: dict[Locality, Link] = {
 
 def locality(a: WorkerView, b: WorkerView) -> Locality:
     """Locality of two workers from their zone / rack / host labels (empty = unknown)."""
-    la, lb = a.location, b.location
+    la, lb = a.network, b.network
     if la.zone != lb.zone:
         return Locality.CROSS_ZONE
     if la.host and la.host == lb.host and la.rack == lb.rack:
@@ -87,7 +87,7 @@ class LinkModel:
             link = self.classes.get(loc) or _DEFAULT_CLASSES[loc]
         if loc is Locality.SAME_HOST:
             return loc, link
-        cap = min(src.location.nic_gbps, dst.location.nic_gbps)
+        cap = min(src.network.nic_or_assumed_gbps, dst.network.nic_or_assumed_gbps)
         if cap > 0 and cap < link.gbps:
             link = Link(gbps=cap, latency_ms=link.latency_ms)
         return loc, link

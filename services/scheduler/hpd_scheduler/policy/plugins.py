@@ -100,11 +100,7 @@ class QueueCapacityFilter(Filter):
 
     def drop_reason(self, ws: WorkerState, role: Role, ctx: RequestContext) -> str | None:
         load = ws.view.load
-        if (
-            load is not None
-            and load.max_queue_depth > 0
-            and ws.queue_depth() >= load.max_queue_depth
-        ):
+        if load is not None and load.queue_max > 0 and ws.queue_depth() >= load.queue_max:
             return "queue_full"
         return None
 
@@ -192,7 +188,7 @@ class SeedComputeScorer(Scorer):
 
     def score(self, c: Candidate, ctx: RequestContext) -> float:
         v = c.ws.view
-        return seed_compute_score(v.gpu_profile, v.tp_size, v.gpu_count, self.params.max_gpus)
+        return seed_compute_score(v.gpu_type, v.tp_size, v.gpu_count, self.params.max_gpus)
 
 
 class CapacityComputeScorer(Scorer):
@@ -219,7 +215,7 @@ class SeedLoadScorer(Scorer):
         load = c.ws.view.load
         if load is None:
             return 0.5
-        return seed_load_score(load.gpu_util, load.mem_util)
+        return seed_load_score(load.gpu_util, load.memory_util)
 
 
 class WorkLoadScorer(Scorer):
@@ -241,7 +237,7 @@ class SeedQueueScorer(Scorer):
 
     def score(self, c: Candidate, ctx: RequestContext) -> float:
         load = c.ws.view.load
-        return seed_queue_score(c.ws.queue_depth(), load.max_queue_depth if load else 0)
+        return seed_queue_score(c.ws.queue_depth(), load.queue_max if load else 0)
 
 
 class QueueWaitScorer(Scorer):

@@ -12,7 +12,15 @@ import random
 from hpd_common.kvformat import KvDtype, KvLayout
 from hpd_common.perfmodel import model_spec
 
-from .domain import Health, LoadReport, NetworkLocation, Stage, WorkerView
+from .domain import (
+    Health,
+    LoadReport,
+    NetworkLocation,
+    Stage,
+    WorkerSpec,
+    WorkerView,
+    declared_stages,
+)
 
 __all__ = ["POOL_SHAPES", "synthetic_fleet"]
 
@@ -56,29 +64,36 @@ def synthetic_fleet(
             health = Health.SUSPECT
         views.append(
             WorkerView(
-                worker_id=f"w{i:05d}",
-                pool_id=f"{name}-{pool_no}",
-                stage=stage,
-                model_id=model_id,
-                kv_format=spec.kv_format(dtype=dtype, layout=layout, tp_size=tp),
-                endpoint=f"10.0.{i // 256}.{i % 256}:8000",
-                model_revision=model_id,
-                gpu_profile=gpu,
-                gpu_count=tp,
-                tp_size=tp,
-                kv_total_bytes=kv_total,
-                kv_available_bytes=int(kv_total * (1 - used)),
-                max_batch_size=batch_max,
-                hard_max_batch_size=512,
-                location=NetworkLocation(
-                    zone=f"z{pool_no % 2}", rack=f"r{i // 8}", host=f"h{i // 2}", nic_gbps=200.0
+                WorkerSpec(
+                    worker_id=f"w{i:05d}",
+                    pool_id=f"{name}-{pool_no}",
+                    endpoint=f"10.0.{i // 256}.{i % 256}:8000",
+                    stages=declared_stages(stage),
+                    model_id=model_id,
+                    model_revision=model_id,
+                    engine="vllm",
+                    engine_version="",
+                    gpu_type=gpu,
+                    gpu_count=tp,
+                    tp_size=tp,
+                    pp_size=1,
+                    peak_tflops=0.0,
+                    hbm_gbps=0.0,
+                    kv_memory_total_bytes=kv_total,
+                    max_batch_size=batch_max,
+                    kv_format=spec.kv_format(dtype=dtype, layout=layout, tp_size=tp),
+                    network=NetworkLocation(
+                        zone=f"z{pool_no % 2}", rack=f"r{i // 8}", host=f"h{i // 2}", nic_gbps=200.0
+                    ),
+                    labels=(("pool", name),),
                 ),
+                kv_available_bytes=int(kv_total * (1 - used)),
+                hard_max_batch_size=512,
                 health=health,
-                labels={"pool": name},
                 load=LoadReport(
-                    reported_at_s=now_s - rng.uniform(0.0, 6.0),
+                    reported_at_ms=round((now_s - rng.uniform(0.0, 6.0)) * 1000),
                     queue_depth=rng.randint(0, 24),
-                    max_queue_depth=64,
+                    queue_max=64,
                     running_prefills=rng.randint(0, 4),
                     batch_size=rng.randint(0, batch_max),
                     itl_p50_ms=rng.uniform(8, 60),
@@ -89,7 +104,7 @@ def synthetic_fleet(
                     kv_blocks_free=int(1000 * (1 - used)),
                     kv_blocks_total=1000,
                     gpu_util=rng.uniform(0.1, 0.95),
-                    mem_util=used,
+                    memory_util=used,
                 ),
             )
         )

@@ -73,9 +73,9 @@ class WorkerState:
         self.backlog_tokens = (queue + 0.5 * running) * ref_tokens + (
             view.pending_prefill_tokens or view.pending_requests * ref_tokens
         )
-        self.kv_total = view.kv_total_bytes
+        self.kv_total = view.kv_memory_total_bytes
         self.kv_avail = max(0, view.kv_available_bytes - view.pending_kv_bytes)
-        used = max(0, view.kv_total_bytes - view.kv_available_bytes)
+        used = max(0, view.kv_memory_total_bytes - view.kv_available_bytes)
         self.ctx_tokens = used / cap.kv_bytes_per_token if cap.kv_bytes_per_token else 0.0
         c = self.conf
         m_p = 1.0
