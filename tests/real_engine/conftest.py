@@ -36,15 +36,8 @@ from hetero_pd.v1 import kvbroker_pb2_grpc as kb_grpc
 from hetero_pd.v1 import registry_pb2 as r
 from hetero_pd.v1 import registry_pb2_grpc as r_grpc
 from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
-from hpd_fleet.real import (
-    AgentProcess,
-    EngineProcess,
-    EngineSpec,
-    engines_venv,
-    pick_port,
-    wait_http,
-    write_tiny_model,
-)
+from hpd_fleet.real_install import engines_venv, write_tiny_model
+from hpd_fleet.real_processes import AgentProcess, EngineProcess, EngineSpec, pick_port, wait_http
 from tests.support.processes import wait_serving
 
 SCRAPE_PERIOD_S = 0.5
@@ -252,7 +245,7 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealFleet]:
             "--lease-ttl-ms", str(LEASE_TTL_MS), "--log-level", "info", "--json-logs",
         ],
         stdout=up_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        start_new_session=True,  # a session of its own: see hpd_fleet.real.OWN_SESSION
+        start_new_session=True,  # a session of its own: see hpd_fleet.real_processes.OWN_SESSION
     )  # fmt: skip
     addr = {k: f"127.0.0.1:{p}" for k, p in ports.items()}
     fleet = RealFleet(

@@ -20,7 +20,7 @@ import pytest
 
 from hetero_pd.v1 import common_pb2 as c
 from hetero_pd.v1 import registry_pb2 as r
-from hpd_fleet.real import AgentProcess, http_json
+from hpd_fleet.real_processes import AgentProcess, http_json
 from tests.real_engine.conftest import SCRAPE_PERIOD_S, RealFleet
 
 PROMPT = "transfer the cache over the link or recompute it on the decode worker " * 20

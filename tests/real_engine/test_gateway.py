@@ -25,7 +25,7 @@ import pytest
 from hetero_pd.v1 import common_pb2 as c
 from hetero_pd.v1 import kvbroker_pb2 as kb
 from hetero_pd.v1 import scheduler_pb2 as s
-from hpd_fleet.real import AgentProcess, http_json
+from hpd_fleet.real_processes import AgentProcess, http_json
 from tests.real_engine.conftest import RealFleet
 from tests.real_engine.test_agent import gauge
 

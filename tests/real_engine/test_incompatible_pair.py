@@ -16,7 +16,7 @@ import pytest
 
 from hetero_pd.v1 import kvbroker_pb2 as kb
 from hetero_pd.v1 import scheduler_pb2 as s
-from hpd_fleet.real import http_json
+from hpd_fleet.real_processes import http_json
 from tests.real_engine.conftest import RealFleet
 from tests.real_engine.test_agent import PROMPT, check_kv_format, gauge, hpd
 from tests.real_engine.test_gateway import by_source, client, fresh_prompt, record

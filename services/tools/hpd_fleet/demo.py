@@ -58,7 +58,7 @@ from .faults import Fault, FaultInjector, parse_fault
 from .fleet import Fleet, default_cluster_path
 from .gateway import DECISION_NAMES, Gateway, GatewayConfig, Replay, RequestRecord
 from .live import LiveView
-from .real import AgentProcess, pick_port, wait_http
+from .real_processes import AgentProcess, pick_port, wait_http
 from .replay import HttpReplay
 from .report import build_report, format_report, plot_report, write_report
 

@@ -19,7 +19,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from .real import RealStack, cache_root, http_json, pins_key
+from .real import RealStack
+from .real_install import cache_root, pins_key
+from .real_processes import http_json
 
 PROMPTS = [
     "Explain prefill and decode in one sentence.",

@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from hpd_fleet import real
+from hpd_fleet import real_processes as real
 
 
 def test_ports_are_free_distinct_and_outside_the_ephemeral_range() -> None:

@@ -107,10 +107,11 @@ class WorkerView:
     they count as load. ``hard_max_batch_size`` is the ceiling adaptive batching may raise
     the cap to (0: the spec's ``max_batch_size`` is also the hard ceiling).
 
-    Fixed at construction from the spec, for the planner's hot path: ``stage`` (the spec's
-    stages as one value: prefill, decode or both) and ``labels`` (as a mapping). The other
-    figures are the spec's, read through it; ``peak_tflops`` / ``hbm_gbps`` are None when the
-    spec gives none (the GPU profile table's figures apply then).
+    The spec's figures the planner reads are set from the spec at construction (never
+    passed in), under the spec's names: ``stage`` is its stages as one value (prefill,
+    decode or both), ``labels`` a mapping, ``gpu_count`` / ``tp_size`` / ``max_batch_size``
+    at least 1, ``peak_tflops`` / ``hbm_gbps`` None when the spec gives none (the GPU profile
+    table's figures apply then).
     """
 
     spec: WorkerSpec
@@ -121,71 +122,48 @@ class WorkerView:
     pending_requests: int = 0
     pending_kv_bytes: int = 0
     pending_prefill_tokens: int = 0
+    # the spec's figures as the planner reads them, set from ``spec`` alone (class docstring)
     stage: Stage = field(init=False)
     labels: Mapping[str, str] = field(init=False)
+    worker_id: str = field(init=False)
+    pool_id: str = field(init=False)
+    model_id: str = field(init=False)
+    model_revision: str = field(init=False)
+    kv_format: KvFormat = field(init=False)
+    endpoint: str = field(init=False)
+    gpu_type: str = field(init=False)
+    gpu_count: int = field(init=False)
+    tp_size: int = field(init=False)
+    kv_memory_total_bytes: int = field(init=False)
+    max_batch_size: int = field(init=False)
+    network: NetworkLocation = field(init=False)
+    peak_tflops: float | None = field(init=False)
+    hbm_gbps: float | None = field(init=False)
 
     def __post_init__(self) -> None:
-        stages = self.spec.stages
+        # copies, not a second model: a view is built from a spec and nothing else, and the
+        # planner reads these per candidate on every decision (through the spec each read
+        # cost a quarter more per decision, bench/policy_decision.py)
+        spec = self.spec
+        stages = spec.stages
         pre, dec = DeclaredStage.PREFILL in stages, DeclaredStage.DECODE in stages
-        stage = Stage.BOTH if pre and dec else Stage.PREFILL if pre else Stage.DECODE
-        object.__setattr__(self, "stage", stage)
-        object.__setattr__(self, "labels", dict(self.spec.labels))
-
-    @property
-    def worker_id(self) -> str:
-        return self.spec.worker_id
-
-    @property
-    def pool_id(self) -> str:
-        return self.spec.pool_id
-
-    @property
-    def model_id(self) -> str:
-        return self.spec.model_id
-
-    @property
-    def model_revision(self) -> str:
-        return self.spec.model_revision
-
-    @property
-    def kv_format(self) -> KvFormat:
-        return self.spec.kv_format
-
-    @property
-    def endpoint(self) -> str:
-        return self.spec.endpoint
-
-    @property
-    def gpu_type(self) -> str:
-        return self.spec.gpu_type
-
-    @property
-    def gpu_count(self) -> int:
-        return max(1, self.spec.gpu_count)
-
-    @property
-    def tp_size(self) -> int:
-        return max(1, self.spec.tp_size)
-
-    @property
-    def kv_memory_total_bytes(self) -> int:
-        return self.spec.kv_memory_total_bytes
-
-    @property
-    def max_batch_size(self) -> int:
-        return max(1, self.spec.max_batch_size)
-
-    @property
-    def network(self) -> NetworkLocation:
-        return self.spec.network
-
-    @property
-    def peak_tflops(self) -> float | None:
-        return self.spec.peak_tflops or None
-
-    @property
-    def hbm_gbps(self) -> float | None:
-        return self.spec.hbm_gbps or None
+        put = object.__setattr__
+        put(self, "stage", Stage.BOTH if pre and dec else Stage.PREFILL if pre else Stage.DECODE)
+        put(self, "labels", dict(spec.labels))
+        put(self, "worker_id", spec.worker_id)
+        put(self, "pool_id", spec.pool_id)
+        put(self, "model_id", spec.model_id)
+        put(self, "model_revision", spec.model_revision)
+        put(self, "kv_format", spec.kv_format)
+        put(self, "endpoint", spec.endpoint)
+        put(self, "gpu_type", spec.gpu_type)
+        put(self, "gpu_count", max(1, spec.gpu_count))
+        put(self, "tp_size", max(1, spec.tp_size))
+        put(self, "kv_memory_total_bytes", spec.kv_memory_total_bytes)
+        put(self, "max_batch_size", max(1, spec.max_batch_size))
+        put(self, "network", spec.network)
+        put(self, "peak_tflops", spec.peak_tflops or None)
+        put(self, "hbm_gbps", spec.hbm_gbps or None)
 
 
 def declared_stages(stage: Stage) -> tuple[DeclaredStage, ...]:

@@ -331,8 +331,7 @@ class Fleet:
         while the link model and KV policy are the same: a worker first paired in a decision
         (a prefix holder outside the usual top k) costs a lookup, not a negotiation and a link
         resolution (about 3 us a pair, measured by bench/kv_index.py's decision p99)."""
-        a, b = src.view.network, dst.view.network
-        key = (src.link_class, dst.link_class, bool(a.host) and a.host == b.host)
+        key = (src.link_class, dst.link_class, bool(src.host) and src.host == dst.host)
         hit = self._handoff_cache.get(key, _MISS)
         if hit is not _MISS:
             return hit  # type: ignore[return-value]

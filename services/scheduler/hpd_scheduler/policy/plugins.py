@@ -99,8 +99,7 @@ class QueueCapacityFilter(Filter):
     type_name: ClassVar[str] = "queue-capacity-filter"
 
     def drop_reason(self, ws: WorkerState, role: Role, ctx: RequestContext) -> str | None:
-        load = ws.view.load
-        if load is not None and load.queue_max > 0 and ws.queue_depth() >= load.queue_max:
+        if ws.queue_max > 0 and ws.queue_depth() >= ws.queue_max:
             return "queue_full"
         return None
 
@@ -236,8 +235,7 @@ class SeedQueueScorer(Scorer):
     type_name: ClassVar[str] = "seed-queue-scorer"
 
     def score(self, c: Candidate, ctx: RequestContext) -> float:
-        load = c.ws.view.load
-        return seed_queue_score(c.ws.queue_depth(), load.queue_max if load else 0)
+        return seed_queue_score(c.ws.queue_depth(), c.ws.queue_max)
 
 
 class QueueWaitScorer(Scorer):
@@ -343,8 +341,7 @@ class SeedItlScorer(Scorer):
     roles: ClassVar[frozenset[Role]] = _DECODE
 
     def score(self, c: Candidate, ctx: RequestContext) -> float:
-        load = c.ws.view.load
-        itl = load.itl_p50_ms if load is not None and load.itl_p50_ms > 0 else c.ws.step_ms()
+        itl = c.ws.itl_p50_ms if c.ws.itl_p50_ms > 0 else c.ws.step_ms()
         return itl_score(itl, self.params.target_ms)
 
 
@@ -395,8 +392,7 @@ class BandwidthScorer(Scorer):
         best = index.max_hbm_gbps if index is not None else 0.0
         if best <= 0:
             return 1.0
-        load = c.ws.view.load
-        util = min(max(load.gpu_util, 0.0), 1.0) if load is not None else 0.0
+        util = c.ws.gpu_util
         return min(1.0, c.ws.cap.hbm_gbps_total / best) * (1.0 - 0.5 * util)
 
 

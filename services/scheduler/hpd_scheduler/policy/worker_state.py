@@ -31,9 +31,12 @@ class WorkerState:
         "cap",
         "conf",
         "ctx_tokens",
+        "gpu_util",
         "held",
         "held_block_tokens",
+        "host",
         "idx",
+        "itl_p50_ms",
         "kv_avail",
         "kv_total",
         "link_class",
@@ -44,6 +47,7 @@ class WorkerState:
         "m_p",
         "pool_id",
         "queue",
+        "queue_max",
         "reported_at_s",
         "view",
         "worker_id",
@@ -64,12 +68,21 @@ class WorkerState:
         self.worker_id = view.worker_id
         self.pool_id = view.pool_id
         load = view.load
-        self.reported_at_s = load.reported_at_s if load is not None else None
+        # The report's and the spec's figures read on every decision, kept here as typed
+        # fields of this (compiled) class. The declared types matter: the shared worker
+        # model is outside the compiled build, so a figure read from it is untyped there and
+        # everything computed from it would be boxed arithmetic (bench/policy_decision.py:
+        # a fifth more per decision without them).
+        self.reported_at_s: float | None = load.reported_at_s if load is not None else None
+        self.queue_max: int = load.queue_max if load is not None else 0
+        self.itl_p50_ms: float = load.itl_p50_ms if load is not None else 0.0
+        self.gpu_util: float = min(max(load.gpu_util, 0.0), 1.0) if load is not None else 0.0
+        self.host: str = view.network.host
         self.conf = confidence(self.reported_at_s, now_s, staleness)
-        queue = load.queue_depth if load is not None else 0
-        running = load.running_prefills if load is not None else 0
-        self.queue = queue + view.pending_requests
-        self.batch = load.batch_size if load is not None else 0
+        queue: int = load.queue_depth if load is not None else 0
+        running: int = load.running_prefills if load is not None else 0
+        self.queue: int = queue + view.pending_requests
+        self.batch: int = load.batch_size if load is not None else 0
         self.backlog_tokens = (queue + 0.5 * running) * ref_tokens + (
             view.pending_prefill_tokens or view.pending_requests * ref_tokens
         )
@@ -79,14 +92,15 @@ class WorkerState:
         self.ctx_tokens = used / cap.kv_bytes_per_token if cap.kv_bytes_per_token else 0.0
         c = self.conf
         m_p = 1.0
-        if load is not None and load.prefill_tokens_per_s > 0 and c > 0:
-            ratio = min(max(cap.prefill_tps / load.prefill_tokens_per_s, _CLAMP_LO), _CLAMP_HI)
+        reported_tps: float = load.prefill_tokens_per_s if load is not None else 0.0
+        if reported_tps > 0 and c > 0:
+            ratio = min(max(cap.prefill_tps / reported_tps, _CLAMP_LO), _CLAMP_HI)
             m_p = c * ratio + (1.0 - c)
         self.m_p = m_p
         m_d = 1.0
-        if load is not None and load.itl_p50_ms > 0 and c > 0:
+        if self.itl_p50_ms > 0 and c > 0:
             nominal = cap.decode_step_ms(self.ctx_tokens)
-            ratio = min(max(load.itl_p50_ms / nominal, _CLAMP_LO), _CLAMP_HI)
+            ratio = min(max(self.itl_p50_ms / nominal, _CLAMP_LO), _CLAMP_HI)
             m_d = c * ratio + (1.0 - c)
         self.m_d = m_d
         self.live_reqs = 0
