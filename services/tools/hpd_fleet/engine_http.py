@@ -37,20 +37,19 @@ import socket
 import time
 import uuid
 import zlib
-from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 
 from hpd_common.logging import get_logger
 from hpd_gateway.protocol import sse_event
 from hpd_gateway.tokens import CHAT_TOKENS_PER_MESSAGE  # the gateway's estimate is the same
 
 from .engine import WorkerLost
+from .engine_metrics import Counters, EngineMetrics
 from .fleet import EmulatedWorker, Fleet
 
 __all__ = ["CHAT_TOKENS_PER_MESSAGE", "KV_HOLD_S", "FleetHttp", "prompt_ids"]
@@ -104,77 +103,6 @@ def _max_tokens(body: Mapping[str, Any]) -> int:
 
 
 @dataclass(slots=True)
-class _Counters:
-    prompt_by_source: dict[str, int] = field(
-        default_factory=lambda: dict.fromkeys(
-            ("local_compute", "local_cache_hit", "external_kv_transfer"), 0
-        )
-    )
-    generation: int = 0
-    success: int = 0
-    kv_bytes_pulled: int = 0
-    running: int = 0
-
-
-class _EngineMetrics(Collector):
-    """vLLM's metric names over one emulated worker's state, read at scrape time."""
-
-    def __init__(self, worker: EmulatedWorker, counters: _Counters) -> None:
-        self.worker = worker
-        self.counters = counters
-
-    def collect(self) -> Iterator[Metric]:
-        eng, cnt = self.worker.engine, self.counters
-        spec = eng.spec
-        model = self.worker.view.model_id
-        labels = ["model_name"]
-
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(name, doc, labels=labels)
-            g.add_metric([model], value)
-            return g
-
-        yield gauge("vllm:num_requests_running", "Requests in the batch.", cnt.running)
-        yield gauge("vllm:num_requests_waiting", "Requests waiting.", eng.queue_depth())
-        used = eng.used_tokens + eng.ballast_tokens
-        yield gauge(
-            "vllm:kv_cache_usage_perc", "KV cache usage (1 = full).",
-            min(1.0, used / spec.kv_capacity_tokens),
-        )  # fmt: skip
-        info = GaugeMetricFamily(
-            "vllm:cache_config_info", "KV cache configuration.",
-            labels=["block_size", "num_gpu_blocks", "cache_dtype"],
-        )  # fmt: skip
-        info.add_metric(
-            [
-                str(spec.block_size_tokens),
-                str(spec.kv_capacity_tokens // spec.block_size_tokens),
-                str(spec.kv_dtype.value),
-            ],
-            1.0,
-        )
-        yield info
-        src = CounterMetricFamily(
-            "vllm:prompt_tokens_by_source", "Prompt tokens by where their KV came from.",
-            labels=["model_name", "source"],
-        )  # fmt: skip
-        for source, n in cnt.prompt_by_source.items():
-            src.add_metric([model, source], n)
-        yield src
-        gen = CounterMetricFamily("vllm:generation_tokens", "Tokens generated.", labels=labels)
-        gen.add_metric([model], cnt.generation)
-        yield gen
-        ok = CounterMetricFamily("vllm:request_success", "Requests finished.", labels=labels)
-        ok.add_metric([model], cnt.success)
-        yield ok
-        pulled = CounterMetricFamily(
-            "vllm:nixl_bytes_transferred", "KV bytes pulled from prefill engines.", labels=labels
-        )
-        pulled.add_metric([model], cnt.kv_bytes_pulled)
-        yield pulled
-
-
-@dataclass(slots=True)
 class _Held:
     tokens: int
     kv_bytes: int
@@ -196,9 +124,9 @@ class _WorkerServer:
         self.worker = worker
         self.sock = sock
         self.host, self.port = sock.getsockname()[:2]
-        self.counters = _Counters()
+        self.counters = Counters()
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_EngineMetrics(worker, self.counters))
+        self.registry.register(EngineMetrics(worker, self.counters))
         self.held: dict[str, _Held] = {}
         self.runner: web.AppRunner | None = None
         self._open: set[asyncio.Transport] = set()
