@@ -60,6 +60,8 @@ from hetero_pd.v1 import registry_pb2_grpc as r_grpc
 from hetero_pd.v1 import scheduler_pb2 as s
 from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
 
+# size: a benchmark's procedure, read top to bottom (bench/README.md): its servers, fleet,
+# baselines and measured modes in the order a run takes them
 SIZES = (16, 256, 4096)
 RESERVATION_TTL_MS = 2_000
 """The bench sends no ReportOutcome: reservations lapse after this instead (the reserve

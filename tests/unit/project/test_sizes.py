@@ -54,7 +54,6 @@ def oversized(source: str) -> list[str]:
 
 
 DEBT: dict[str, frozenset[str]] = {
-    "bench/schedule_rpc.py": frozenset({"module"}),
     "services/tools/hpd_fleet/demo.py": frozenset({"module", "run_demo"}),
     "services/tools/hpd_fleet/gateway.py": frozenset({"module", "_transfer"}),
     "services/tools/hpd_sim/engine.py": frozenset({"module"}),
