@@ -61,12 +61,9 @@ import itertools
 import math
 import random
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 from hpd_common import perfmodel
-from hpd_common.gpus import GpuProfile
 from hpd_common.kvformat import GIB, negotiate
 from hpd_scheduler.policy import (
     DecisionKind,
@@ -85,186 +82,18 @@ from hpd_scheduler.policy.prefix import PrefixIndex, cached_tokens
 from hpd_sim.traces import TraceRequest
 
 from .cluster import ClusterSpec
+from .outcomes import RequestOutcome, SimConfig, SimResult, tbt_ms
+from .resources import Pipe, SimWorker
 
 __all__ = ["RequestOutcome", "SimConfig", "SimResult", "Simulator", "simulate", "tbt_ms"]
 
 _ARRIVAL, _ITER, _PIPE, _DELIVER = 0, 1, 2, 3
 _EPS_BITS = 1e-3
-_ITL_WINDOW = 32
 
 
-@dataclass(frozen=True, slots=True)
-class SimConfig:
-    """Knobs of one run. ``tiers``: tier names with weights, assigned per request from the
-    seeded RNG (a single tier by default); ``report_interval_s``: see the module docstring;
-    ``util_tau_s``: time constant of the GPU-utilisation average."""
-
-    seed: int = 0
-    tiers: tuple[tuple[str, float], ...] = (("standard", 1.0),)
-    report_interval_s: float = 0.0
-    util_tau_s: float = 1.0
-    keep_gaps: bool = False
-    prefix_cache: bool = True
-    prefix_block_tokens: int = 512  # the Mooncake trace's block (its hash_ids)
-
-
-@dataclass(slots=True)
-class RequestOutcome:
-    """What happened to one request. Times in seconds on the simulated clock; ``first_s`` and
-    ``finish_s`` are NaN for a rejected request. ``tbt_ms``: mean of the longest 10 % of its
-    token gaps (0 for a single-token output)."""
-
-    index: int
-    tier: str
-    arrival_s: float
-    prompt_tokens: int
-    output_tokens: int
-    rejected: bool = False
-    reject_reason: str = ""
-    kind: str = ""
-    mode: str = ""
-    prefill_worker: str = ""
-    decode_worker: str = ""
-    first_s: float = math.nan
-    finish_s: float = math.nan
-    tbt_ms: float = 0.0
-    gaps_ms: tuple[float, ...] = ()
-
-    @property
-    def ttft_ms(self) -> float:
-        """Time to first token in ms (NaN if rejected)."""
-        return (self.first_s - self.arrival_s) * 1e3
-
-    @property
-    def tpot_ms(self) -> float:
-        """Mean time per output token after the first, in ms (0 for one output token)."""
-        if self.output_tokens <= 1:
-            return 0.0
-        return (self.finish_s - self.first_s) * 1e3 / (self.output_tokens - 1)
-
-    @property
-    def latency_s(self) -> float:
-        """End-to-end latency (arrival to last token), seconds."""
-        return self.finish_s - self.arrival_s
-
-
-@dataclass(slots=True)
-class SimResult:
-    """The outcomes of one run plus run-level figures."""
-
-    policy: str
-    cluster: str
-    rate_scale: float
-    outcomes: list[RequestOutcome]
-    sim_end_s: float
-    wall_s: float
-    decisions: int
-    events: int
-    fleet_builds: int
-    modes: dict[str, int] = field(default_factory=dict)
-    kinds: dict[str, int] = field(default_factory=dict)
-    reject_reasons: dict[str, int] = field(default_factory=dict)
-    busy_fraction: dict[str, float] = field(default_factory=dict)
-    cached_prompt_tokens: int = 0  # prompt tokens prefills did not compute (prefix hits)
-    prompt_tokens: int = 0  # prompt tokens of every prefill run
-    prefix_blocks_max: int = 0  # the largest per-worker prefix index (blocks) at the end
-
-
-class _Pipe:
-    """A shared link: concurrent transfers split ``gbps`` equally (processor sharing)."""
-
-    __slots__ = ("active", "bits_per_s", "last_s", "version")
-
-    def __init__(self, gbps: float) -> None:
-        self.bits_per_s = gbps * 1e9
-        self.active: dict[int, float] = {}
-        self.last_s = 0.0
-        self.version = 0
-
-    def advance(self, now: float) -> None:
-        n = len(self.active)
-        if n:
-            done = (now - self.last_s) * self.bits_per_s / n
-            if done > 0:
-                act = self.active
-                for k in act:
-                    act[k] -= done
-        self.last_s = now
-
-    def next_finish(self, now: float) -> float:
-        n = len(self.active)
-        return now + max(0.0, min(self.active.values())) * n / self.bits_per_s
-
-
-class _Worker:
-    """One simulated engine (see the module docstring)."""
-
-    __slots__ = (
-        "active",
-        "admit_q",
-        "admitted",
-        "batch",
-        "bpt",
-        "busy",
-        "busy_since",
-        "busy_total",
-        "ctx",
-        "dtype",
-        "finish_heap",
-        "gpu",
-        "idx",
-        "iter_kind",
-        "iter_payload",
-        "itl",
-        "joiners",
-        "kv_cap",
-        "kv_used",
-        "max_batch",
-        "pending_kv",
-        "pending_reqs",
-        "prefill_q",
-        "step_count",
-        "step_ends",
-        "step_start",
-        "tp",
-        "util",
-        "util_t",
-        "view",
-    )
-
-    def __init__(self, idx: int, view: WorkerView, gpu: GpuProfile) -> None:
-        self.idx = idx
-        self.view = view
-        self.gpu = gpu
-        self.dtype = view.kv_format.dtype
-        self.active = False
-        self.tp = view.tp_size
-        self.bpt = view.kv_format.bytes_per_token()
-        self.kv_cap = view.kv_memory_total_bytes // self.bpt if self.bpt else 0
-        self.kv_used = 0
-        self.max_batch = view.max_batch_size
-        self.admit_q: deque[int] = deque()
-        self.prefill_q: deque[int] = deque()
-        self.joiners: list[int] = []
-        self.admitted = 0
-        self.batch = 0
-        self.ctx = 0
-        self.finish_heap: list[tuple[int, int]] = []
-        self.step_count = 0
-        self.step_ends: list[float] = []
-        self.step_start = 0.0
-        self.busy = False
-        self.iter_kind = 0
-        self.iter_payload = -1
-        self.itl: deque[float] = deque(maxlen=_ITL_WINDOW)
-        self.pending_kv = 0
-        self.pending_reqs = 0
-        self.busy_since = 0.0
-        self.busy_total = 0.0
-        self.util = 0.0
-        self.util_t = 0.0
-
-
+# size: one event loop: its handlers share the clock, the event heap and the worker table,
+# and an event's path (arrival, plan, admission, transfer, first token, steps, finish) reads
+# in one place; the run's values are in outcomes.py and its moving parts in resources.py
 class Simulator:
     """One run of one policy over one trace on one cluster (see the module docstring).
 
@@ -293,7 +122,7 @@ class Simulator:
         self.tier_rng = random.Random(self.config.seed + 1)
         views = cluster.worker_views()
         gpu_of = {p.pool_id: p.gpu for p in cluster.pools}
-        self.workers = [_Worker(i, v, gpu_of[v.pool_id]) for i, v in enumerate(views)]
+        self.workers = [SimWorker(i, v, gpu_of[v.pool_id]) for i, v in enumerate(views)]
         self.by_id = {w.view.worker_id: w for w in self.workers}
         bt = self.config.prefix_block_tokens
         self._prefix = self.config.prefix_cache and any(r.hash_ids for r in self.requests)
@@ -307,8 +136,8 @@ class Simulator:
         self.prompt_mix = PromptMix()
         self.model = cluster.model
         self.eff = cluster.efficiency
-        self.pipes: dict[tuple[str, ...], _Pipe] = {}
-        self.pipe_list: list[_Pipe] = []
+        self.pipes: dict[tuple[str, ...], Pipe] = {}
+        self.pipe_list: list[Pipe] = []
         self._pipe_of: dict[tuple[int, int], tuple[int, float, float]] = {}
         self.staleness = StalenessPolicy()
         self._heap: list[tuple[float, int, int, int, int]] = []
@@ -347,7 +176,7 @@ class Simulator:
                 return name
         return tiers[-1][0]
 
-    def _pipe_for(self, src: _Worker, dst: _Worker) -> tuple[int, float, float]:
+    def _pipe_for(self, src: SimWorker, dst: SimWorker) -> tuple[int, float, float]:
         """(pipe index, fixed delay s = latency + conversion per byte later, conv ms/byte)."""
         key = (src.idx, dst.idx)
         hit = self._pipe_of.get(key)
@@ -357,7 +186,7 @@ class Simulator:
         pkey = self.cluster.pipe_key(src.view, dst.view)
         pipe = self.pipes.get(pkey)
         if pipe is None:
-            pipe = _Pipe(link.gbps)
+            pipe = Pipe(link.gbps)
             self.pipes[pkey] = pipe
             self.pipe_list.append(pipe)
         neg = negotiate(src.view.kv_format, dst.view.kv_format)
@@ -368,14 +197,14 @@ class Simulator:
 
     # -- load reports and the policy call -----------------------------------------------------
 
-    def _util(self, w: _Worker, now: float) -> float:
+    def _util(self, w: SimWorker, now: float) -> float:
         """Busy fraction, exponentially weighted with time constant ``util_tau_s``."""
         tau = self.config.util_tau_s
         decay = math.exp(-(now - w.util_t) / tau) if now > w.util_t else 1.0
         target = 1.0 if w.active else 0.0
         return target + (w.util - target) * decay
 
-    def _set_active(self, w: _Worker, active: bool, now: float) -> None:
+    def _set_active(self, w: SimWorker, active: bool, now: float) -> None:
         """Utilisation bookkeeping, updated only when the worker turns busy or idle (back to
         back iterations are one busy period)."""
         if w.active == active:
@@ -388,7 +217,7 @@ class Simulator:
             w.busy_total += now - w.busy_since
         w.active = active
 
-    def view_of(self, w: _Worker, now: float) -> WorkerView:
+    def view_of(self, w: SimWorker, now: float) -> WorkerView:
         """The worker as the scheduler would see it now (capability + fresh load report)."""
         v = w.view
         bpt = w.bpt
@@ -496,7 +325,7 @@ class Simulator:
             pw.prefill_q.append(i)
             self._kick(pw, now)
 
-    def _admit(self, w: _Worker, now: float) -> None:
+    def _admit(self, w: SimWorker, now: float) -> None:
         """Admit from the head of the queue while KV memory and the batch bound allow."""
         q = w.admit_q
         kicked = False
@@ -519,7 +348,7 @@ class Simulator:
         if kicked:
             self._kick(w, now)
 
-    def _start_transfer(self, i: int, src: _Worker, dst: _Worker, now: float) -> None:
+    def _start_transfer(self, i: int, src: SimWorker, dst: SimWorker, now: float) -> None:
         r = self.requests[i]
         pidx, delay_s, conv_ms_per_byte = self._pipe_for(src, dst)
         held = 0
@@ -565,12 +394,12 @@ class Simulator:
             self._hold(dw, self.requests[i].hash_ids)
         self._first_token(i, dw, now)
 
-    def _hold(self, w: _Worker, ids: Sequence[int]) -> None:
+    def _hold(self, w: SimWorker, ids: Sequence[int]) -> None:
         """The worker now holds these prefix blocks (a trace's ids start at its prompt's
         first block), most recent."""
         self.prefix.stored(w.view.worker_id, ids, self.config.prefix_block_tokens, head=True)
 
-    def _first_token(self, i: int, w: _Worker, now: float) -> None:
+    def _first_token(self, i: int, w: SimWorker, now: float) -> None:
         out = self.outcomes[i]
         out.first_s = now
         if out.output_tokens <= 1:
@@ -580,7 +409,7 @@ class Simulator:
         w.joiners.append(i)
         self._kick(w, now)
 
-    def _kick(self, w: _Worker, now: float) -> None:
+    def _kick(self, w: SimWorker, now: float) -> None:
         """Start the next iteration if the worker is idle: prefills first, then a decode
         step over the running batch (joiners merged); otherwise go idle."""
         if w.busy:
@@ -632,7 +461,7 @@ class Simulator:
             return
         self._set_active(w, False, now)
 
-    def _iter_done(self, w: _Worker, now: float) -> None:
+    def _iter_done(self, w: SimWorker, now: float) -> None:
         w.busy = False
         if w.iter_kind == 0:
             i = w.iter_payload
@@ -663,7 +492,7 @@ class Simulator:
                 self._admit(w, now)
         self._kick(w, now)
 
-    def _finish(self, i: int, w: _Worker, now: float, from_step: bool) -> None:
+    def _finish(self, i: int, w: SimWorker, now: float, from_step: bool) -> None:
         """Record the last token, free the KV reservation and the batch slot."""
         out = self.outcomes[i]
         r = self.requests[i]
@@ -741,16 +570,6 @@ class Simulator:
             prompt_tokens=self._prefill_tokens,
             prefix_blocks_max=max((self.prefix.size(w.view.worker_id) for w in workers), default=0),
         )
-
-
-def tbt_ms(gaps: Sequence[float]) -> float:
-    """Mooncake's TBT: the mean of the longest 10 % of a request's token gaps (at least one
-    gap; ms)."""
-    if not gaps:
-        return 0.0
-    k = max(1, len(gaps) // 10)
-    top = heapq.nlargest(k, gaps)
-    return sum(top) / k
 
 
 def simulate(
