@@ -56,10 +56,11 @@ from .engine import EmuTime
 from .engine_http import FleetHttp
 from .faults import Fault, FaultInjector, parse_fault
 from .fleet import Fleet, default_cluster_path
-from .gateway import DECISION_NAMES, Gateway, GatewayConfig, Replay, RequestRecord
+from .gateway import Gateway
 from .live import LiveView
 from .real_processes import AgentProcess, pick_port, wait_http
 from .replay import HttpReplay
+from .replay_common import DECISION_NAMES, GatewayConfig, Replay, RequestRecord
 from .report import build_report, format_report, plot_report, write_report
 
 __all__ = ["DemoOptions", "DemoResult", "main", "parser", "reconcile", "run_demo"]

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from hpd_common.logging import get_logger
 
 from .fleet import Fleet
-from .gateway import Replay
+from .replay_common import Replay
 
 __all__ = ["Fault", "FaultInjector", "parse_fault"]
 

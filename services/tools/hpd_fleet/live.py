@@ -13,7 +13,7 @@ import contextlib
 from typing import TextIO
 
 from .fleet import Fleet
-from .gateway import Replay
+from .replay_common import Replay
 
 __all__ = ["LiveView", "render"]
 

@@ -17,7 +17,7 @@ control plane being unavailable: retried with capped backoff for up to
 ``unavailable_budget_s`` (a client honouring ``Retry-After``), then rejected as
 ``unavailable``; a 503 with a REJECT record is that rejection.
 
-Every request ends in exactly one :class:`~hpd_fleet.gateway.RequestRecord`, the same
+Every request ends in exactly one :class:`~hpd_fleet.replay_common.RequestRecord`, the same
 record the in-process replay (``hpd_fleet.gateway``) makes, so the report, the live view
 and the reconciliation with the route records are shared.
 """
@@ -42,7 +42,7 @@ from hpd_gateway.service import REPLAN_SUFFIX
 from hpd_sim.traces import Trace, TraceRequest
 
 from .engine import EmuTime
-from .gateway import MODE_NAMES, GatewayConfig, Replay, RequestRecord
+from .replay_common import MODE_NAMES, GatewayConfig, Replay, RequestRecord
 
 __all__ = ["HttpReplay"]
 
@@ -53,7 +53,7 @@ _VOCAB = 32_000
 
 class HttpReplay(Replay):
     """Replays traces through ``hpd gateway`` at ``gateway_url`` (module docstring); the
-    rest is :class:`~hpd_fleet.gateway.Replay`'s, as for the in-process replay."""
+    rest is :class:`~hpd_fleet.replay_common.Replay`'s, as for the in-process replay."""
 
     def __init__(
         self,

@@ -26,7 +26,7 @@ from typing import Any
 
 from hpd_sim.metrics import Slo, percentile
 
-from .gateway import RequestRecord
+from .replay_common import RequestRecord
 
 __all__ = ["TierSlo", "build_report", "format_report", "plot_report", "write_report"]
 

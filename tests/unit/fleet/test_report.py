@@ -10,7 +10,7 @@ import pytest
 
 from hetero_pd.v1 import scheduler_pb2 as s
 from hpd_fleet.demo import reconcile
-from hpd_fleet.gateway import RequestRecord, reject_reason
+from hpd_fleet.replay_common import RequestRecord, reject_reason
 from hpd_fleet.report import build_report, format_report
 from hpd_sim.metrics import Slo
 
