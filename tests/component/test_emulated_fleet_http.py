@@ -25,7 +25,7 @@ from hetero_pd.v1 import scheduler_pb2 as s
 from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
 from hpd_agent.engines import parse_metrics
 from hpd_common.clock import SystemClock
-from hpd_fleet.demo import wait_fleet_seen
+from hpd_fleet.demo_run import wait_fleet_seen
 from hpd_fleet.engine import EmuTime
 from hpd_fleet.engine_http import FleetHttp
 from hpd_fleet.fleet import Fleet

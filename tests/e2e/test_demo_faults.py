@@ -11,7 +11,7 @@ from typing import Any
 from hetero_pd.v1 import kvbroker_pb2 as kb
 from hetero_pd.v1 import scheduler_pb2 as s
 from hpd_agent.worker_client import TERMINAL_STATES
-from hpd_fleet.demo import DemoResult, run_demo
+from hpd_fleet.demo_run import DemoResult, run_demo
 from hpd_fleet.faults import Fault
 from hpd_fleet.replay_common import MODE_NAMES
 from hpd_tools.embedded_redis import EmbeddedRedis

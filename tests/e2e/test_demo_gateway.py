@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from hetero_pd.v1 import scheduler_pb2 as s
-from hpd_fleet.demo import DemoOptions, default_trace_path, main, options_from, parser, run_demo
+from hpd_fleet.demo import main, options_from, parser
+from hpd_fleet.demo_run import DemoOptions, default_trace_path, run_demo
 from hpd_fleet.faults import Fault
 from hpd_fleet.fleet import default_cluster_path
 from hpd_gateway.service import REPLAN_SUFFIX

@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 
 from hetero_pd.v1 import scheduler_pb2 as s
-from hpd_fleet.demo import DemoOptions, DemoResult, default_trace_path, main, run_demo
+from hpd_fleet.demo import main
+from hpd_fleet.demo_run import DemoOptions, DemoResult, default_trace_path, run_demo
 from hpd_fleet.fleet import default_cluster_path
 from hpd_sim.traces import load_trace, reshape
 from hpd_tools.embedded_redis import EmbeddedRedis

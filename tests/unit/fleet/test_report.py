@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from hetero_pd.v1 import scheduler_pb2 as s
-from hpd_fleet.demo import reconcile
+from hpd_fleet.demo_checks import reconcile
 from hpd_fleet.replay_common import RequestRecord, reject_reason
 from hpd_fleet.report import build_report, format_report
 from hpd_sim.metrics import Slo

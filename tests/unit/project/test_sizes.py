@@ -53,32 +53,10 @@ def oversized(source: str) -> list[str]:
     return found
 
 
-DEBT: dict[str, frozenset[str]] = {
-    "services/tools/hpd_fleet/demo.py": frozenset({"module", "run_demo"}),
-}
-"""Rooms still too long that the renovation has not reached yet: per file, ``"module"``
-and/or the names of its long functions. A known debt, not a reason: the test fails on any
-room not listed here, and on a listed one that is no longer too long (the list only
-shrinks)."""
-
-
-def _key(finding: str) -> str:
-    return "module" if finding.startswith("module") else finding.split(" ")[0]
-
-
 @pytest.mark.parametrize("path", hand_written(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_oversized_room_without_a_reason(path: Path) -> None:
-    name = str(path.relative_to(ROOT))
-    found = tuple(oversized(path.read_text()))
-    unlisted = [f for f in found if _key(f) not in DEBT.get(name, frozenset())]
-    assert not unlisted, f"{name}: " + "; ".join(unlisted) + " (split it, or say why)"
-    settled = DEBT.get(name, frozenset()) - {_key(f) for f in found}
-    assert not settled, f"{name}: {sorted(settled)} no longer too long: take it off DEBT"
-
-
-def test_debt_names_files_that_exist() -> None:
-    missing = [name for name in DEBT if not (ROOT / name).is_file()]
-    assert not missing, f"DEBT lists files that are gone (moved or split?): {missing}"
+    found = oversized(path.read_text())
+    assert not found, f"{path.relative_to(ROOT)}: " + "; ".join(found) + " (split it, or say why)"
 
 
 def _function(n: int, why: str = "") -> str:
