@@ -72,24 +72,26 @@ class NetworkLocation:
         return self.nic_gbps if self.nic_gbps > 0 else ASSUMED_NIC_GBPS
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class WorkerSpec:
-    """What a worker declares about itself (the proto WorkerCapability)."""
+    """What a worker declares about itself (the proto WorkerCapability). Built by name; the
+    defaults are what a worker that says nothing of them means (one GPU, no pipeline
+    stages, ``peak_tflops`` / ``hbm_gbps`` 0: the GPU profile table's figures)."""
 
     worker_id: str
     pool_id: str
     endpoint: str
     stages: tuple[Stage, ...]
     model_id: str
-    model_revision: str
-    engine: str
-    engine_version: str
+    model_revision: str = ""
+    engine: str = ""
+    engine_version: str = ""
     gpu_type: str
-    gpu_count: int
-    tp_size: int
-    pp_size: int
-    peak_tflops: float
-    hbm_gbps: float
+    gpu_count: int = 1
+    tp_size: int = 1
+    pp_size: int = 1
+    peak_tflops: float = 0.0
+    hbm_gbps: float = 0.0
     kv_memory_total_bytes: int
     max_batch_size: int
     kv_format: KvFormat
