@@ -7,6 +7,7 @@ Examples::
     hpd sim --policy ours --policy least_loaded --search-goodput --out results/
     hpd sim --trace data/traces/mooncake_synthetic_slice.jsonl --slo ttft=5000,tpot=100 --json
     hpd sim --trace synthetic:bursts --cluster data/clusters/suite/slow_link.yaml --search-goodput
+    hpd sim --advise --trace my_traffic.csv --cluster my_fleet.yaml   # which stages per pool
 
 The table shows, per policy and rate, the SLO attainment (both TTFT and TPOT met, rejected
 requests counted as misses), TTFT/TPOT/TBT percentiles and hand-off modes; with
@@ -14,6 +15,12 @@ requests counted as misses), TTFT/TPOT/TBT percentiles and hand-off modes; with
 and per dollar, and the cluster's fluid capacity bound. ``--out DIR`` writes ``sim.json`` and,
 when matplotlib is installed, ``attainment.png`` (SLO attainment against rate per policy, as
 DistServe plots it).
+
+``--advise``: which deployment to run the fleet in for this traffic (``hpd_sim.roles``): the
+pools as declared, every pool serving both stages with the planner choosing per request, or
+every request on one worker; each is simulated with the (first) policy and the one with the
+most goodput is advised. Give it a sample of your own traffic: the advice is as good as the
+sample is like the traffic the fleet will serve.
 """
 
 from __future__ import annotations
@@ -33,7 +40,8 @@ from .cluster import ClusterError, ClusterSpec, default_cluster_path, load_clust
 from .engine import SimConfig
 from .goodput import fluid_bound
 from .metrics import Slo
-from .runner import PolicyRun, run_policy
+from .roles import DEPLOYMENTS, advise
+from .runner import PolicyRun, resolve_policy, run_policy
 from .workloads import synthetic_trace
 
 __all__ = ["build_parser", "default_trace_path", "main", "render_table"]
@@ -108,6 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--out", default=None, help="directory for sim.json and attainment.png")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument(
+        "--advise",
+        action="store_true",
+        help="advise a deployment for this traffic: pools as declared, every pool serving "
+        "both stages, or colocated (each simulated with the first --policy; goodput search)",
+    )
     return p
 
 
@@ -245,6 +259,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     scales = args.rate_scale or ([] if args.search_goodput else [1.0])
     config = SimConfig(seed=args.seed, tiers=args.tier, report_interval_s=args.report_interval)
     bar = _Bar(sys.stderr, not args.no_progress and sys.stderr.isatty())
+    if args.advise:
+        return _advise(args, trace, cluster, slo, config, policies[0])
     runs: list[PolicyRun] = []
     try:
         for policy in policies:
@@ -294,6 +310,41 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{slo.ttft_ms:g} ms, TPOT <= {slo.tpot_ms:g} ms"
         )
         print(render_table(runs, cluster, bound.rps if args.search_goodput else None))
+    return 0
+
+
+def _advise(
+    args: argparse.Namespace,
+    trace: Trace,
+    cluster: ClusterSpec,
+    slo: Slo,
+    config: SimConfig,
+    policy: str,
+) -> int:
+    """``--advise``: every candidate deployment's goodput, and the one advised."""
+    try:
+        profile = resolve_policy(policy)
+    except ValueError as exc:
+        print(f"hpd sim: {exc}", file=sys.stderr)
+        return 2
+    if not args.no_progress and sys.stderr.isatty():
+        names = ", ".join(d.name for d in DEPLOYMENTS)
+        print(f"simulating {names} (a goodput search each) ...", file=sys.stderr)
+    advice = advise(cluster, profile, trace, slo, config, args.start_scale, args.tolerance)
+    if args.json:
+        print(json.dumps({"cluster": cluster.name, "trace": trace.name, **advice.to_dict()}))
+        return 0
+    print(f"cluster {cluster.name}, trace {trace.name} ({len(trace)} requests), policy {policy}")
+    for d in DEPLOYMENTS:
+        mark = "->" if d is advice.chosen else "  "
+        g = advice.goodput_rps[d.name]
+        shown = f"{g:8.2f}" if g is not None else f"< {advice.failed_at_rps[d.name]:6.2f}"
+        print(f"{mark} {d.name:<12} goodput {shown} req/s  {d.description}")
+    if advice.chosen.every_pool_both:
+        print("advised: every engine with a KV connector on both sides (kv_both), its agent with")
+        print("`--role both` (cluster files: `stage: both`)")
+    if advice.chosen.colocated:
+        print("and `pairing: colocated` in the scheduler's profile")
     return 0
 
 

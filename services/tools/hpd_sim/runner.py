@@ -79,7 +79,7 @@ class PolicyRun:
 
 def run_policy(
     cluster: ClusterSpec,
-    policy: str,
+    policy: str | Profile,
     trace: Trace,
     slo: Slo,
     config: SimConfig,
@@ -91,14 +91,16 @@ def run_policy(
     tier_slos: dict[str, Slo] | None = None,
     progress: Progress | None = None,
 ) -> PolicyRun:
-    """Evaluate ``policy`` at each of ``scales`` and, with ``search``, find its goodput."""
-    profile = resolve_policy(policy)
-    run = PolicyRun(policy)
+    """Evaluate ``policy`` (a name for :func:`resolve_policy`, or a profile) at each of
+    ``scales`` and, with ``search``, find its goodput."""
+    profile = policy if isinstance(policy, Profile) else resolve_policy(policy)
+    name = policy if isinstance(policy, str) else profile.name
+    run = PolicyRun(name)
     seen: dict[float, Summary] = {}
 
     def at(scale: float) -> float:
         if scale not in seen:
-            label = f"{policy} x{scale:.3g}"
+            label = f"{name} x{scale:.3g}"
             cb = (lambda d, n: progress(label, d, n)) if progress else None
             seen[scale] = run_point(cluster, profile, trace, scale, slo, config, tier_slos, cb)
             run.points.append(seen[scale])

@@ -16,12 +16,18 @@ tier's (the planner plans against the same targets the run is scored on): intera
 long-context ones.
 
 **Policies**: ours (the default profile) and the baselines least_loaded, seed, colocated,
-round_robin and random. Per cell, goodput (the highest rate with >= 90 % of requests meeting
-both SLOs, :func:`~.goodput.search_goodput`) of each, and ``ours_vs_best_baseline`` = ours /
+round_robin and random. The ``colocated`` baseline redeploys the fleet (every GPU serves both
+stages); the same choice is open to a hetero-pd operator, so ours runs on the deployment
+that :mod:`.roles` advises from a held-out sample of the cell's workload (the pools as
+declared, every pool both stages, or colocated; ``ours_deployment`` in the JSON), and its
+goodput on the fleet as declared is reported beside it (``ours_as_declared``). Per cell,
+goodput (the highest rate with >= 90 % of requests meeting both SLOs,
+:func:`~.goodput.search_goodput`) of each, and ``ours_vs_best_baseline`` = ours /
 the best baseline's. Every search in a cell starts from half the cell's fluid bound, so the
 policies are bracketed from the same point.
 
-Figures: ``min_ours_vs_best_baseline`` over all cells and
+Figures: ``min_ours_vs_best_baseline`` over all cells (and
+``min_ours_as_declared_vs_best_baseline``, the same for ours on the declared fleet) and
 ``geomean_ours_vs_least_loaded_heterogeneous`` over the cells of every cluster but the
 homogeneous one. Past capacity: the attainment of ours and of least-loaded at 1.5x each
 one's own goodput rate (``attainment_past_capacity``), and the number of cells where ours
@@ -37,16 +43,17 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from hpd_sim.traces import Trace, load_trace, reshape
 
-from .cluster import default_cluster_path, load_cluster
+from .cluster import ClusterSpec, default_cluster_path, load_cluster
 from .engine import SimConfig
 from .goodput import fluid_bound
 from .metrics import Slo
+from .roles import DEPLOYMENTS, advise
 from .runner import resolve_policy, run_point, run_policy
 from .workloads import synthetic_trace
 
@@ -116,12 +123,24 @@ def cluster_path(name: str) -> Path:
     return default if name == "default" else default.parent / "suite" / f"{name}.yaml"
 
 
-def load_workload(w: Workload, n: int) -> Trace:
-    """The first ``n`` requests of a workload (a synthetic one generated with seed 0)."""
+def load_workload(w: Workload, n: int, holdout: bool = False) -> Trace:
+    """The first ``n`` requests of a workload (a synthetic one generated with seed 0).
+
+    ``holdout``: ``n`` requests the cell is not measured on, for deployment advice
+    (:mod:`.roles`): another seed of a synthetic generator, or the *last* ``n`` requests of
+    a trace, arrivals rebased to 0 (disjoint from the first ``n'`` while ``n + n'`` is at most
+    the trace's length; the suite's samples are, except where the measured slice is most of
+    the Mooncake trace's 3,993 requests)."""
     if w.source.startswith("synthetic:"):
-        return synthetic_trace(w.source.partition(":")[2], n=n, seed=0)
+        return synthetic_trace(w.source.partition(":")[2], n=n, seed=1 if holdout else 0)
     traces = default_cluster_path().parent.parent / "traces"
-    return reshape(load_trace(traces / w.source), max_requests=n)
+    trace = load_trace(traces / w.source)
+    if not holdout:
+        return reshape(trace, max_requests=n)
+    tail = trace.requests[-n:] if n > 0 else ()
+    t0 = tail[0].arrival_s if tail else 0.0
+    moved = tuple(replace(r, arrival_s=r.arrival_s - t0) for r in tail)
+    return Trace(f"{trace.name}-holdout", moved)
 
 
 @dataclass(slots=True)
@@ -135,6 +154,8 @@ class Cell:
     goodput_rps: dict[str, float]
     wall_s: float
     past_capacity: dict[str, float] = field(default_factory=dict)
+    advice: dict[str, Any] = field(default_factory=dict)
+    """Where ``ours`` ran: the deployment chosen on a held-out sample (:mod:`.roles`)."""
 
     @property
     def best_baseline(self) -> str:
@@ -156,6 +177,12 @@ class Cell:
             "ours_vs_best_baseline": self.ratio(best),
             "ours_vs_least_loaded": self.ratio("least_loaded"),
             "attainment_past_capacity": self.past_capacity,
+            "ours_deployment": self.advice,
+            "ours_as_declared_vs_best_baseline": (
+                _ratio(self.goodput_rps["ours_as_declared"], self.goodput_rps.get(best, 0.0))
+                if "ours_as_declared" in self.goodput_rps
+                else None
+            ),
             "wall_s": self.wall_s,
         }
 
@@ -174,6 +201,16 @@ def _ratio(a: float, b: float) -> float:
     return 1.0 if a <= 0 else math.inf
 
 
+def _cell_size(
+    cluster: str, workload: str, seconds: float, max_requests: int
+) -> tuple[ClusterSpec, Workload, float, int]:
+    """A cell's cluster, workload, fluid bound (req/s) and trace length (:func:`run_cell`)."""
+    spec = load_cluster(cluster_path(cluster))
+    w = next(x for x in WORKLOADS if x.name == workload)
+    bound = fluid_bound(spec, load_workload(w, 2000).requests, w.slo.tpot_ms).rps
+    return spec, w, bound, max(400, min(max_requests, round(bound * seconds)))
+
+
 def run_cell(
     cluster: str,
     workload: str,
@@ -181,33 +218,56 @@ def run_cell(
     max_requests: int,
     rel_tol: float,
     policies: Sequence[str] = POLICIES,
+    declared: bool = False,
 ) -> Cell:
     """Goodput of each policy on one cell (module docstring). The cell's trace is as long
     as ``seconds`` of arrivals at the fluid bound's rate (at least 400 requests, at most
     ``max_requests``): a goodput measured on a trace that ends before the queues of an
-    overloaded fleet have built up would be a transient, not a rate the fleet sustains."""
+    overloaded fleet have built up would be a transient, not a rate the fleet sustains.
+
+    ``ours`` runs on the deployment :func:`.roles.advise` chooses from a held-out sample of
+    the workload (as long as the measured trace: a shorter one ends before queues build and
+    flatters whichever deployment has the most batch slots; :func:`load_workload` with
+    ``holdout``). Its goodput on the fleet as declared, ``ours_as_declared``, is the same
+    run when the advice keeps the declared split, and is searched too with ``declared``
+    (one more search: the quick suite leaves it out to stay within its time)."""
     t0 = time.perf_counter()
-    spec = load_cluster(cluster_path(cluster))
-    w = next(x for x in WORKLOADS if x.name == workload)
-    sample = load_workload(w, 2000)
-    bound = fluid_bound(spec, sample.requests, w.slo.tpot_ms).rps
-    n = max(400, min(max_requests, round(bound * seconds)))
+    spec, w, bound, n = _cell_size(cluster, workload, seconds, max_requests)
     trace = load_workload(w, n)
     config = SimConfig(seed=0, tiers=((w.tier, 1.0),))
-    start = max(0.5 * bound / trace.mean_rate, 1.0 / 64) if trace.mean_rate > 0 else 1.0
+
+    def start_of(t: Trace) -> float:
+        return max(0.5 * bound / t.mean_rate, 1.0 / 64) if t.mean_rate > 0 else 1.0
+
+    start = start_of(trace)
     goodput: dict[str, float] = {}
     past: dict[str, float] = {}
+    advice: dict[str, Any] = {}
     for policy in policies:
+        profile, fleet = resolve_policy(policy), spec
+        if policy == "ours":
+            held = load_workload(w, n, holdout=True)
+            chosen = advise(spec, profile, held, w.slo, config, start_of(held), rel_tol)
+            advice = chosen.to_dict()
+            if declared and chosen.chosen.name != DEPLOYMENTS[0].name:
+                as_declared = run_policy(
+                    spec, profile, trace, w.slo, config, search=True, start=start,
+                    rel_tol=rel_tol,
+                )  # fmt: skip
+                goodput["ours_as_declared"] = as_declared.goodput_rps or 0.0
+            profile, fleet = chosen.chosen.profile(profile), chosen.chosen.cluster(spec)
         run = run_policy(
-            spec, policy, trace, w.slo, config, search=True, start=start, rel_tol=rel_tol
+            fleet, profile, trace, w.slo, config, search=True, start=start, rel_tol=rel_tol
         )
         goodput[policy] = run.goodput_rps or 0.0
+        if policy == "ours" and advice["deployment"] == DEPLOYMENTS[0].name:
+            goodput["ours_as_declared"] = goodput[policy]
         if policy in CLIFF_POLICIES and run.goodput_scale:
-            at = run_point(
-                spec, resolve_policy(policy), trace, OVERLOAD * run.goodput_scale, w.slo, config
-            )
+            at = run_point(fleet, profile, trace, OVERLOAD * run.goodput_scale, w.slo, config)
             past[policy] = at.attainment
-    return Cell(cluster, workload, len(trace), bound, goodput, time.perf_counter() - t0, past)
+    return Cell(
+        cluster, workload, len(trace), bound, goodput, time.perf_counter() - t0, past, advice
+    )
 
 
 def run_suite(
@@ -219,22 +279,25 @@ def run_suite(
     processes: int | None = None,
     policies: Sequence[str] = POLICIES,
     progress: Callable[[int, int, Cell], None] | None = None,
+    declared: bool = False,
 ) -> list[Cell]:
     """Every cell of ``clusters`` x ``workloads``, in ``processes`` processes (default: one
-    per core); cells come back in matrix order."""
+    per core), the longest traces first so that no process is left with a long cell at the
+    end; cells come back in matrix order."""
     jobs = [(c, w) for c in clusters for w in workloads]
     procs = max(1, min(processes or os.cpu_count() or 1, len(jobs)))
     done: dict[tuple[str, str], Cell] = {}
+    args = (seconds, max_requests, rel_tol, policies, declared)
     if procs == 1:
         for c, w in jobs:
-            done[(c, w)] = cell = run_cell(c, w, seconds, max_requests, rel_tol, policies)
+            done[(c, w)] = cell = run_cell(c, w, *args)
             if progress:
                 progress(len(done), len(jobs), cell)
     else:
+        size = {j: _cell_size(*j, seconds, max_requests)[3] for j in jobs}
         with ProcessPoolExecutor(max_workers=procs) as pool:
             futures = [
-                pool.submit(run_cell, c, w, seconds, max_requests, rel_tol, policies)
-                for c, w in jobs
+                pool.submit(run_cell, c, w, *args) for c, w in sorted(jobs, key=lambda j: -size[j])
             ]
             for fut in as_completed(futures):
                 cell = fut.result()
@@ -248,6 +311,10 @@ def summarise(cells: Sequence[Cell]) -> dict[str, Any]:
     """The suite's figures: the per-cell minimum of ours over the best baseline, and the
     geometric mean of ours over least-loaded across the heterogeneous clusters' cells."""
     mins = [c.ratio(c.best_baseline) for c in cells]
+    declared = [c.to_dict()["ours_as_declared_vs_best_baseline"] for c in cells]
+    # over every cell or none: a minimum over the cells that kept the declared split would
+    # leave out the very cells where it was worse
+    chosen = [c.advice.get("deployment") for c in cells if c.advice]
     het = [c.ratio("least_loaded") for c in cells if c.cluster not in HOMOGENEOUS]
     het = [r for r in het if math.isfinite(r) and r > 0]
     worst = min(cells, key=lambda c: c.ratio(c.best_baseline)) if cells else None
@@ -258,6 +325,10 @@ def summarise(cells: Sequence[Cell]) -> dict[str, Any]:
         "min_ours_vs_best_baseline": min(mins) if mins else None,
         "min_cell": f"{worst.cluster}/{worst.workload}" if worst else None,
         "cells_below_best_baseline": sum(1 for r in mins if r < 1.0),
+        "min_ours_as_declared_vs_best_baseline": (
+            min(declared) if declared and None not in declared else None
+        ),
+        "ours_deployments_chosen": {d: chosen.count(d) for d in dict.fromkeys(chosen) if d},
         "geomean_ours_vs_least_loaded_heterogeneous": (
             math.exp(sum(math.log(r) for r in het) / len(het)) if het else None
         ),
@@ -271,13 +342,17 @@ def summarise(cells: Sequence[Cell]) -> dict[str, Any]:
 
 def render_matrix(cells: Sequence[Cell]) -> str:
     """A text table: one row per cell, goodput per policy and ours / best baseline."""
-    head = f"{'cluster':<14} {'workload':<14}" + "".join(f"{p:>13}" for p in POLICIES)
-    lines = [head + f"{'ours/best':>11}  best", "-" * (len(head) + 20)]
+    cols = (*POLICIES, "ours_as_declared")
+    head = f"{'cluster':<14} {'workload':<14}" + "".join(f"{p[:16]:>17}" for p in cols)
+    lines = [head + f"{'ours/best':>11}  {'best':<13} ours ran", "-" * (len(head) + 40)]
     for c in cells:
         row = f"{c.cluster:<14} {c.workload:<14}"
-        row += "".join(f"{c.goodput_rps.get(p, 0.0):13.2f}" for p in POLICIES)
+        row += "".join(
+            f"{c.goodput_rps[p]:17.2f}" if p in c.goodput_rps else f"{'-':>17}" for p in cols
+        )
         best = c.best_baseline
-        lines.append(row + f"{c.ratio(best):11.2f}  {best}")
+        where = c.advice.get("deployment", "as_declared")
+        lines.append(row + f"{c.ratio(best):11.2f}  {best:<13} {where}")
     return "\n".join(lines)
 
 

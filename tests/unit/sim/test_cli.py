@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from hpd_sim.cli import main
+from hpd_sim.suite import cluster_path
 
 
 def test_json_run_of_two_policies(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -77,3 +78,26 @@ def test_a_synthetic_workload_runs_by_name(capsys: pytest.CaptureFixture[str]) -
     doc = json.loads(capsys.readouterr().out)
     assert doc["trace"]["name"] == "synthetic:long_prompts" and doc["trace"]["requests"] == 60
     assert doc["trace"]["mean_rate_rps"] > 0
+
+
+def test_advise_names_each_deployment_and_the_one_with_the_most_goodput(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["--advise", "--trace", "synthetic:long_prompts", "--max-requests", "400"]
+    argv += ["--cluster", str(cluster_path("slow_link")), "--tolerance", "0.25"]
+    argv += ["--slo", "ttft=3000,tpot=100", "--tier", "standard", "--start-scale", "4"]
+    assert main([*argv, "--json", "--no-progress"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    goodput = doc["sample_goodput_rps"]
+    assert set(goodput) == {"as_declared", "both_stages", "colocated"}
+    assert goodput[doc["deployment"]] == max(g for g in goodput.values() if g is not None)
+    # long prompts' KV would cross a 10 Gb/s pipe to most of the decode GPUs
+    assert doc["deployment"] != "as_declared"
+    assert main([*argv, "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    assert f"-> {doc['deployment']}" in text and "--role both" in text
+
+
+def test_advise_refuses_an_unknown_policy(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--advise", "--policy", "nope", "--max-requests", "50"]) == 2
+    assert "unknown policy" in capsys.readouterr().err

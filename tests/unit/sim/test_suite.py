@@ -15,6 +15,7 @@ from hpd_sim.suite import (
     Cell,
     cluster_path,
     load_workload,
+    render_matrix,
     run_cell,
     summarise,
 )
@@ -91,14 +92,35 @@ def test_the_summary_takes_the_worst_cell_and_leaves_the_homogeneous_cluster_out
 
 
 def test_a_cell_runs_every_policy_it_is_given() -> None:
-    cell = run_cell("mixed_kv", "long_prompts", 40.0, 400, 0.25, ("ours", "least_loaded"))
+    cell = run_cell(
+        "mixed_kv", "long_prompts", 40.0, 400, 0.25, ("ours", "least_loaded"), declared=True
+    )
     assert cell.requests == 400
-    assert set(cell.goodput_rps) == {"ours", "least_loaded"}
+    assert set(cell.goodput_rps) == {"ours", "ours_as_declared", "least_loaded"}
     assert all(v > 0 for v in cell.goodput_rps.values())
+    # ours ran where the advice on a held-out sample said, and no worse there than it was
+    # on that sample's other candidates
+    advice = cell.advice
+    assert advice["deployment"] in advice["sample_goodput_rps"]
+    best = max(g for g in advice["sample_goodput_rps"].values() if g is not None)
+    assert advice["sample_goodput_rps"][advice["deployment"]] == best
+    if advice["deployment"] == "as_declared":
+        assert cell.goodput_rps["ours"] == cell.goodput_rps["ours_as_declared"]
     # past capacity both were measured, and both fell below the 90 % they kept at goodput
     assert set(cell.past_capacity) == {"ours", "least_loaded"}
     assert all(0.0 <= v < 0.9 for v in cell.past_capacity.values())
     assert cell.steeper_cliff() is not None
+
+
+def test_ours_on_the_declared_fleet_is_summarised_over_every_cell_or_not_at_all() -> None:
+    kept = _cell("default", ours=2.0, ours_as_declared=2.0, least_loaded=1.0)
+    changed = _cell("homogeneous", ours=4.0, ours_as_declared=1.0, least_loaded=2.0)
+    assert summarise([kept, changed])["min_ours_as_declared_vs_best_baseline"] == 0.5
+    unmeasured = _cell("homogeneous", ours=4.0, least_loaded=2.0)
+    assert unmeasured.to_dict()["ours_as_declared_vs_best_baseline"] is None
+    assert summarise([kept, unmeasured])["min_ours_as_declared_vs_best_baseline"] is None
+    row = render_matrix([unmeasured]).splitlines()[-1].split()
+    assert row[2:4] == ["4.00", "2.00"] and row[8] == "-"  # ours, least-loaded, as declared
 
 
 def test_a_cliff_is_steeper_when_ours_keeps_less_past_capacity() -> None:
