@@ -20,6 +20,7 @@ tensor throughput "with sparsity" and mark it; the dense figure is half of that)
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -151,10 +152,13 @@ class UnknownGpuError(KeyError):
         return f"unknown GPU {self.name!r}; known: {', '.join(self.known)}"
 
 
+@functools.lru_cache(maxsize=256)
 def gpu_profile(name: str) -> GpuProfile:
     """Resolve a GPU name to its profile, accepting aliases and case/separator variants.
 
     ``"h100"``, ``"H100_SXM"`` and ``"NVIDIA H100 80GB HBM3"`` all give ``H100-SXM``.
+    Resolved names are remembered (a bounded cache: the planner resolves every worker's
+    GPU per decision; an unknown name raises and is not remembered).
     """
     key = _normalise(name)
     key = GPU_ALIASES.get(key, key)

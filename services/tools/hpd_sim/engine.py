@@ -501,7 +501,7 @@ class Simulator:
             j = self._join_step[i]
             ends = w.step_ends[j : j + r.output_tokens - 1]
             g = [(ends[0] - out.first_s) * 1e3]
-            g.extend((b - a) * 1e3 for a, b in itertools.pairwise(ends))
+            g += [(b - a) * 1e3 for a, b in itertools.pairwise(ends)]
             out.tbt_ms = tbt_ms(g)
             if self.config.keep_gaps:
                 out.gaps_ms = tuple(g)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import random
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import pytest
@@ -325,17 +326,21 @@ def test_colocated_profile_keeps_both_stages_on_one_worker() -> None:
     assert d.plan.prefill_worker_id == d.plan.decode_worker_id == "b"
 
 
-def test_a_rebuild_reuses_capacity_only_for_unchanged_views() -> None:
-    """``Fleet.build(previous=...)``: a worker whose view object is unchanged keeps its
-    capacity; a changed view (here another GPU) gets its own; the indexes match a build from
-    scratch."""
+def test_a_rebuild_reuses_capacity_only_for_unchanged_specs() -> None:
+    """``Fleet.build(previous=...)``: a worker whose spec object is unchanged keeps its
+    capacity, whatever its load now says; a changed spec (here another GPU) gets its own;
+    the indexes match a build from scratch."""
     same = worker("same")
+    loaded = replace(same, load=replace(same.load, batch_size=40), kv_available_bytes=1 << 30)
+    assert loaded.spec is same.spec and loaded is not same
     old_view = worker("moved", gpu="H100-SXM")
     first = Fleet.build([same, old_view], NOW)
     new_view = worker("moved", gpu="L4")
-    second = Fleet.build([same, new_view], NOW + 1, previous=first)
-    scratch = Fleet.build([same, new_view], NOW + 1)
+    second = Fleet.build([loaded, new_view], NOW + 1, previous=first)
+    scratch = Fleet.build([loaded, new_view], NOW + 1)
     assert second.by_id["same"].cap is first.by_id["same"].cap
+    assert second.by_id["same"].cap == scratch.by_id["same"].cap
+    assert second.by_id["same"].view is loaded  # the load is the new view's
     assert second.by_id["moved"].cap is not first.by_id["moved"].cap
     assert second.by_id["moved"].cap == scratch.by_id["moved"].cap
     assert second.by_id["moved"].cap != first.by_id["moved"].cap

@@ -150,9 +150,10 @@ its caches afresh, so they stay bounded (a pair entry is a few hundred bytes).""
 def _capacity_of(
     view: WorkerView, prior: WorkerState | None, ref_prompt_tokens: int
 ) -> tuple[Capacity | None, str | None]:
-    """A worker's capacity (reused from the previous snapshot when its view is the very same
-    object), or None with the reason it is left out."""
-    if prior is not None and prior.view is view:
+    """A worker's capacity (reused from the previous snapshot when its spec is the very same
+    object: capacity is a function of the spec alone, and a spec is immutable), or None with
+    the reason it is left out."""
+    if prior is not None and prior.view.spec is view.spec:
         return prior.cap, None
     gpu = resolve_gpu(view)
     if gpu is None:
@@ -217,10 +218,12 @@ class Fleet:
         """Index ``workers`` as of ``now_s``. Duplicate worker ids raise
         :class:`InvalidInputError`. Cost: O(N) plus one sort per preselection key used.
 
-        ``previous``: the snapshot this one replaces. A worker whose view is the very same
-        object there (unchanged since) keeps its resolved GPU and capacity, the costly part of
-        a worker's entry, when the reference prompt is the same; a service rebuilding every
-        second for report confidence then pays for the workers that changed, not the fleet.
+        ``previous``: the snapshot this one replaces. A worker whose spec is the very same
+        object there (its load may have changed, its capability not) keeps its resolved GPU
+        and capacity, the costly part of a worker's entry, when the reference prompt is the
+        same; a service rebuilding every second for report confidence, or a simulator
+        building a fresh view of every worker per decision, then pays for the workers whose
+        capability changed, not the fleet.
 
         ``prefix``: per worker id, its engine's tokens per block and the prefix keys it holds
         (``PrefixIndex.entries``: live views, so the snapshot sees blocks stored after it
