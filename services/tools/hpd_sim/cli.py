@@ -340,6 +340,8 @@ def _advise(
         g = advice.goodput_rps[d.name]
         shown = f"{g:8.2f}" if g is not None else f"< {advice.failed_at_rps[d.name]:6.2f}"
         print(f"{mark} {d.name:<12} goodput {shown} req/s  {d.description}")
+    if not advice.chosen.every_pool_both:
+        print("advised: keep the pools as declared")
     if advice.chosen.every_pool_both:
         print("advised: every engine with a KV connector on both sides (kv_both), its agent with")
         print("`--role both` (cluster files: `stage: both`)")

@@ -331,6 +331,7 @@ def test_a_rebuild_reuses_capacity_only_for_unchanged_specs() -> None:
     capacity, whatever its load now says; a changed spec (here another GPU) gets its own;
     the indexes match a build from scratch."""
     same = worker("same")
+    assert same.load is not None
     loaded = replace(same, load=replace(same.load, batch_size=40), kv_available_bytes=1 << 30)
     assert loaded.spec is same.spec and loaded is not same
     old_view = worker("moved", gpu="H100-SXM")
