@@ -342,11 +342,11 @@ def _advise(
         print(f"{mark} {d.name:<12} goodput {shown} req/s  {d.description}")
     if not advice.chosen.every_pool_both:
         print("advised: keep the pools as declared")
-    if advice.chosen.every_pool_both:
+    else:
         print("advised: every engine with a KV connector on both sides (kv_both), its agent with")
         print("`--role both` (cluster files: `stage: both`)")
-    if advice.chosen.colocated:
-        print("and `pairing: colocated` in the scheduler's profile")
+        if advice.chosen.colocated:
+            print("and `pairing: colocated` in the scheduler's profile")
     return 0
 
 
