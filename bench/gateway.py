@@ -24,9 +24,11 @@ in the same round (its own time outside the engines, plus the noise of one round
 ``gateway_steps_ms_c1``: where the gateway's own time went in the latency phase (p50 and
 p99 milliseconds of its tokenize, schedule and prefill steps, from its ``Server-Timing``
 header); ``gateway_modes_c8``: the gateway's requests at 8 in flight by the hand-off mode
-its plans used (the peer always transfers); ``gateway_refusals_retried``: 429s (admission)
-the gateway arm got and retried after their Retry-After, as the openai SDK does (the wait
-counts in that request's TTFT; the peer admits everything).
+its plans used (the peer always transfers), ``gateway_fallbacks_c8``: its steps at 8 in
+flight that failed and were replaced by the plan's next, by cause;
+``gateway_refusals_retried``: 429s (admission) the gateway arm got and retried after their
+Retry-After, as the openai SDK does (the wait counts in that request's TTFT; the peer
+admits everything).
 
     .venv/bin/python bench/gateway.py --quick --json
 """
@@ -236,42 +238,51 @@ async def throughput_pass(
         return n / (time.perf_counter() - t0)
 
 
-async def gateway_modes(stack: RealStack) -> dict[str, float]:
-    """The gateway's requests so far by hand-off mode used (``hpd_gateway_requests``)."""
+async def gateway_counts(stack: RealStack) -> dict[str, dict[str, float]]:
+    """The gateway's requests so far by hand-off mode used (``hpd_gateway_requests``) and
+    its fallback steps by the failed step's cause (``hpd_gateway_fallbacks``)."""
     async with aiohttp.ClientSession() as http, http.get(stack.gateway_url + "/metrics") as resp:
         text = await resp.text()
-    modes: dict[str, float] = {}
+    wanted = {
+        "hpd_gateway_requests": ("modes", "mode"),
+        "hpd_gateway_fallbacks": ("fallbacks", "cause"),
+    }
+    counts: dict[str, dict[str, float]] = {"modes": {}, "fallbacks": {}}
     for family in text_string_to_metric_families(text):
-        if family.name != "hpd_gateway_requests":
+        if family.name not in wanted:
             continue
+        kind, label = wanted[family.name]
         for sample in family.samples:
             if sample.name.endswith("_total"):
-                mode = sample.labels.get("mode", "")
-                modes[mode] = modes.get(mode, 0.0) + sample.value
-    return modes
+                key = sample.labels.get(label, "")
+                counts[kind][key] = counts[kind].get(key, 0.0) + sample.value
+    return counts
 
 
 async def throughput_phase(
     stack: RealStack, n: int, rng: random.Random
-) -> tuple[dict[str, float], dict[str, float]]:
-    """Requests per second per arm, and the gateway's requests at 8 in flight by the mode
-    its plans used (the peer always transfers; a plan that prefills on the decode engine
-    takes that engine from decoding)."""
+) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """Requests per second per arm, and what the gateway's requests at 8 in flight did:
+    ``modes`` (the hand-off mode used; the peer always transfers, and a plan that prefills
+    on the decode engine takes that engine from decoding) and ``fallbacks`` (steps that
+    failed and were replaced, by cause)."""
     rates: dict[str, list[float]] = {"router": [], "gateway": []}
-    modes: dict[str, float] = {}
+    seen: dict[str, dict[str, float]] = {"modes": {}, "fallbacks": {}}
     for order in (["router", "gateway"], ["gateway", "router"]):
         # both arms of an order serve the same work (the same prompt lengths and outputs):
         # drawn per pass, 32 requests of the mix differed by up to 40 % in prompt words
         shapes = [(mix(rng)[0], mix(rng)[1]) for _ in range(n)]
         for arm in order:
-            before = await gateway_modes(stack) if arm == "gateway" else {}
+            before = await gateway_counts(stack) if arm == "gateway" else {}
             rates[arm].append(await throughput_pass(stack, arm, shapes, rng))
             if arm == "gateway":
-                after = await gateway_modes(stack)
-                for mode, count in after.items():
-                    modes[mode] = modes.get(mode, 0.0) + count - before.get(mode, 0.0)
+                after = await gateway_counts(stack)
+                for kind, now in after.items():
+                    for key, count in now.items():
+                        was = before.get(kind, {}).get(key, 0.0)
+                        seen[kind][key] = seen[kind].get(key, 0.0) + count - was
             print(f"  throughput c=8: {arm} {rates[arm][-1]:.2f} req/s", file=sys.stderr)
-    return {arm: statistics.fmean(v) for arm, v in rates.items()}, modes
+    return {arm: statistics.fmean(v) for arm, v in rates.items()}, seen
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -289,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
             setup_s = time.perf_counter() - t_setup
             ttft = asyncio.run(latency_phase(stack, rounds, rng))
             steps = list(GATEWAY_STEPS)
-            rates, modes = asyncio.run(throughput_phase(stack, per_pass, rng))
+            rates, seen = asyncio.run(throughput_phase(stack, per_pass, rng))
     added = [(g - d) * 1000 for g, d in zip(ttft["gateway"], ttft["direct"], strict=True)]
     figures = {
         "ttft_p50_vs_vllm_router": pct(ttft["gateway"], 0.5) / pct(ttft["router"], 0.5),
@@ -301,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
             arm: {"p50": pct(v, 0.5) * 1000, "p99": pct(v, 0.99) * 1000} for arm, v in ttft.items()
         },
         "throughput_c8_req_per_s": rates,
-        "gateway_modes_c8": {mode: int(count) for mode, count in sorted(modes.items()) if count},
+        "gateway_modes_c8": {k: int(v) for k, v in sorted(seen["modes"].items()) if v},
+        "gateway_fallbacks_c8": {k: int(v) for k, v in sorted(seen["fallbacks"].items()) if v},
         "gateway_steps_ms_c1": {
             name: {
                 "p50": pct([st[name] for st in steps if name in st], 0.5),

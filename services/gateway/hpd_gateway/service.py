@@ -174,10 +174,11 @@ class Gateway:
         if ids is not None:  # token ids: counted as sent, no tokenizer and no round trip
             return len(ids), ids
         if endpoints and self.tokenizers is not None and req.model in self.tokenizers:
-            return (
-                self.tokenizers.count(req.model, req.body),
-                self.tokenizers.ids(req.model, req.body),
-            )
+            # a completions prompt is encoded once: its ids are its count
+            ids = self.tokenizers.ids(req.model, req.body)
+            if ids is not None:
+                return len(ids), ids
+            return self.tokenizers.count(req.model, req.body), None
         if not endpoints:
             raise GatewayError(
                 404, f"the model {req.model!r} has no worker in the fleet",
