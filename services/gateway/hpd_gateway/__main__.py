@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 from prometheus_client import REGISTRY, CollectorRegistry
 
+from hpd_common import aio
 from hpd_common.channels import CallSettings
 from hpd_common.errors import InvalidArgument
 from hpd_common.logging import configure_logging, get_logger
@@ -209,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (InvalidArgument, ValueError) as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
-    asyncio.run(serve(settings))
+    aio.run(serve(settings))
     return 0
 
 

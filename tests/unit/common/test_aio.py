@@ -6,8 +6,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import sys
 from pathlib import Path
 
+import pytest
+
+from hpd_common import aio
 from hpd_common.aio import cancel_and_wait
 
 SERVICES = Path(__file__).resolve().parents[3] / "services"
@@ -97,3 +101,40 @@ def test_services_use_asyncio_timeout_not_wait_for() -> None:
         if re.search(r"\bwait_for\(", line)
     ]
     assert offenders == []
+
+
+# -- the event loop a process runs on -----------------------------------------------------------
+
+
+async def _loop_module() -> str:
+    return type(asyncio.get_running_loop()).__module__
+
+
+def test_run_uses_uvloop_unless_asked_for_the_standard_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(aio.EVENT_LOOP_ENV, raising=False)
+    assert aio.event_loop() == "uvloop"
+    assert aio.run(_loop_module()).startswith("uvloop")
+    monkeypatch.setenv(aio.EVENT_LOOP_ENV, "asyncio")
+    assert aio.event_loop() == "asyncio"
+    assert aio.run(_loop_module()).startswith("asyncio")
+    monkeypatch.setenv(aio.EVENT_LOOP_ENV, " UVLOOP ")
+    assert aio.run(_loop_module()).startswith("uvloop")
+
+
+def test_an_unknown_event_loop_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(aio.EVENT_LOOP_ENV, "trio")
+    with pytest.raises(ValueError, match="HPD_EVENT_LOOP must be uvloop or asyncio, got 'trio'"):
+        aio.event_loop()
+
+
+def test_without_uvloop_the_standard_loop_runs_unless_uvloop_was_named(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # import uvloop -> ImportError
+    monkeypatch.delenv(aio.EVENT_LOOP_ENV, raising=False)
+    assert aio.run(_loop_module()).startswith("asyncio")
+    monkeypatch.setenv(aio.EVENT_LOOP_ENV, "uvloop")
+    with pytest.raises(ImportError):
+        aio.run(_loop_module())
