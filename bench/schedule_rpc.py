@@ -59,7 +59,6 @@ from hetero_pd.v1 import registry_pb2 as r
 from hetero_pd.v1 import registry_pb2_grpc as r_grpc
 from hetero_pd.v1 import scheduler_pb2 as s
 from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
-from hpd_common import aio
 
 # size: a benchmark's procedure, read top to bottom (bench/README.md): its servers, fleet,
 # baselines and measured modes in the order a run takes them
@@ -525,7 +524,7 @@ TARGETS = {
 
 def main() -> int:
     if len(sys.argv) == 5 and sys.argv[1] == "--serve":
-        aio.run(serve(sys.argv[2], sys.argv[3], sys.argv[4]))  # the services' loop
+        asyncio.run(serve(sys.argv[2], sys.argv[3], sys.argv[4]))
         return 0
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer requests (a few minutes)")
@@ -547,7 +546,7 @@ def main() -> int:
     if args.group_commit:
         os.environ[GROUP_COMMIT_ENV] = args.group_commit
     sizes = tuple(int(x) for x in args.sizes.split(",") if x)
-    out = aio.run(main_async(args.quick, not args.no_scaling, sizes))
+    out = asyncio.run(main_async(args.quick, not args.no_scaling, sizes))
     if args.json:
         print(json.dumps(out))
         return 0

@@ -25,7 +25,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from hetero_pd.v1 import diagnostics_pb2, diagnostics_pb2_grpc
-from hpd_common import aio, auth_interceptor
+from hpd_common import auth_interceptor
 from hpd_common.aio import cancel_and_wait
 from hpd_common.channels import CallSettings
 from hpd_common.diagnostics import DiagnosticsApi
@@ -411,7 +411,7 @@ def serve_main(
 
     try:
         serve_metrics(settings.metrics_port, settings.host)
-        aio.run(serve())
+        asyncio.run(serve())
     except InvalidArgument as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2

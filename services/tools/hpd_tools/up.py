@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from hpd_common import aio, auth
+from hpd_common import auth
 from hpd_common.errors import InvalidArgument
 from hpd_common.logging import configure_logging, get_logger
 from hpd_common.metrics import serve_metrics
@@ -264,11 +264,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(args.log_level, args.json_logs)
     serve_metrics(args.metrics_port, args.host)
     if args.redis_url:
-        aio.run(_serve(args, args.redis_url))
+        asyncio.run(_serve(args, args.redis_url))
         return 0
     state = Path(args.state_dir).resolve() / "redis"
     limits = ["--maxmemory", str(args.redis_maxmemory), "--maxmemory-policy", "noeviction"]
     with EmbeddedRedis(state, port=args.redis_port, persist=True, extra_args=limits) as redis:
         print(f"hpd: embedded Redis on 127.0.0.1:{redis.port} (AOF in {state})", flush=True)
-        aio.run(_serve(args, redis.url))
+        asyncio.run(_serve(args, redis.url))
     return 0
