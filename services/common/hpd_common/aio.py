@@ -90,12 +90,17 @@ def event_loop() -> str:
 def run(main: Coroutine[Any, Any, T]) -> T:
     """``asyncio.run(main)`` on the loop :func:`event_loop` names (the standard library's
     where uvloop is not installed and was not asked for by name: it has no Windows build)."""
-    if event_loop() == "uvloop":
+    try:
+        loop = event_loop()
+    except ValueError:
+        main.close()  # never to run: no "never awaited" warning
+        raise
+    if loop == "uvloop":
         try:
             import uvloop
         except ImportError:
             if os.environ.get(EVENT_LOOP_ENV):
-                main.close()  # never to run: no "never awaited" warning
+                main.close()
                 raise
         else:
             return uvloop.run(main)

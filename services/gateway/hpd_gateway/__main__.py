@@ -8,7 +8,8 @@ with their own KV hand-off (vLLM's NIXL protocol), with the plan's fallbacks:
     curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\
         -d '{"model": "tiny", "prompt": "Hello", "max_tokens": 16}'
 
-Every setting is also HPD_<NAME> and a key of the YAML file given by ``--config``.
+Every setting is also HPD_<NAME> and a key of the YAML file given by ``--config``. The
+gateway runs on uvloop; HPD_EVENT_LOOP=asyncio runs it on the standard library's loop.
 """
 
 from __future__ import annotations
@@ -207,6 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         configure_logging(settings.log_level, settings.json_logs)
         _tiers(settings.api_key_tiers)
         LocalTokenizers(dict(_pairs(settings.tokenizer, "tokenizer")))  # fails fast
+        aio.event_loop()  # an unknown HPD_EVENT_LOOP, before anything starts
     except (InvalidArgument, ValueError) as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
