@@ -2,8 +2,9 @@
 
 **The loop.** :func:`run` runs the gateway's main coroutine on uvloop (libuv; the loop
 aiohttp recommends and vLLM's own API server runs on) unless ``HPD_EVENT_LOOP=asyncio``
-asks for the standard library's. Measured against two real engines at 8 requests in flight
-(``bench/gateway.py``'s stack, 4 passes of 96 requests, idle CPU subtracted, two runs each):
+asks for the standard library's. Measured in an ad-hoc probe against two real engines at 8
+requests in flight (``bench/gateway.py``'s stack, 4 passes of 96 requests, idle CPU
+subtracted, two runs each):
 the gateway's CPU per request 5.1-5.2 ms on asyncio, 4.5-4.9 ms on uvloop, CPU that comes
 out of the cores the engines run on. The gRPC services and ``hpd up`` stay on asyncio: the
 scheduler's explanation writer works in the loop's idle time, which it reads from asyncio's
