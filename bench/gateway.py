@@ -20,8 +20,8 @@ and each arm's two passes averaged (drift on a shared machine cancels).
 Figures (``--json``): ``ttft_p50_vs_vllm_router``, ``ttft_p99_vs_vllm_router`` (gateway /
 router), ``throughput_vs_vllm_router_c8`` (gateway / router);
 ``ttft_per_round_ratio_p50_vs_vllm_router`` (no target): the median over rounds of the
-gateway's TTFT over the router's in the same round (the same prompt length and output),
-which the machine's drift between rounds moves less than a ratio of medians; the gateway's added
+gateway's TTFT over the router's in the same round (each ratio compares the same prompt
+length and output, so the mix's spread of lengths does not enter it); the gateway's added
 latency per request, ``gateway_added_ms_p50`` / ``_p99``: its TTFT minus the direct arm's
 in the same round (its own time outside the engines, plus the noise of one round);
 ``gateway_steps_ms_c1``: where the gateway's own time went in the latency phase (p50 and
@@ -203,10 +203,10 @@ OUTPUT_TOKENS = (8, 32)
 def mix(rng: random.Random) -> tuple[int, int]:
     """(prompt words, max tokens): short chat turns to long-context prompts, each drawn
     uniformly from its range. Not a few fixed lengths: with four prompt lengths drawn
-    equally often, the median TTFT of 120 requests falls at the gap between the second and
-    the third length, and whether an arm's median is taken from one or the other is chance
-    (a run had the router's median below the no-proxy arm's by 13 %); over a continuous
-    range every arm's median is a request of about the median length."""
+    equally often, the median TTFT of 120 requests falls at the boundary between the
+    second and the third length, where their TTFTs overlap, so which length an arm's median
+    comes from is chance (a run had the router's median below the no-proxy arm's by 13 %);
+    over a continuous range every arm's median is a request of about the median length."""
     return rng.randint(*PROMPT_WORDS), rng.randint(*OUTPUT_TOKENS)
 
 
