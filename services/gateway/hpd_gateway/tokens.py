@@ -63,21 +63,15 @@ class LocalTokenizers:
 
     def count(self, model: str, body: Mapping[str, Any]) -> int:
         """Prompt tokens of a checked completions or chat body."""
-        tok = self._tok[model]
-        if "messages" in body:
-            total = 0
-            for m in body["messages"]:
-                content = m.get("content")
-                if isinstance(content, list):  # parts: count their text
-                    content = " ".join(
-                        str(p.get("text", "")) for p in content if isinstance(p, dict)
-                    )
-                total += len(tok.encode(str(content or ""), add_special_tokens=False).ids)
-                total += CHAT_TOKENS_PER_MESSAGE
-            return total
-        ids = prompt_token_ids(body)
-        if ids is not None:
+        ids = self.ids(model, body)
+        if ids is not None:  # completions: exact
             return len(ids)
-        prompt = body["prompt"]
-        text = prompt[0] if isinstance(prompt, list) else prompt
-        return len(tok.encode(str(text)).ids)
+        tok = self._tok[model]
+        total = 0
+        for m in body["messages"]:
+            content = m.get("content")
+            if isinstance(content, list):  # parts: count their text
+                content = " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+            total += len(tok.encode(str(content or ""), add_special_tokens=False).ids)
+            total += CHAT_TOKENS_PER_MESSAGE
+        return total
