@@ -82,7 +82,7 @@ from hpd_scheduler.policy.prefix import PrefixIndex, cached_tokens
 from hpd_sim.traces import TraceRequest
 
 from .cluster import ClusterSpec
-from .outcomes import RequestOutcome, SimConfig, SimResult, tbt_ms
+from .outcomes import Judge, RequestOutcome, SimConfig, SimResult, tbt_ms
 from .resources import Pipe, SimWorker
 
 __all__ = ["RequestOutcome", "SimConfig", "SimResult", "Simulator", "simulate", "tbt_ms"]
@@ -100,6 +100,13 @@ class Simulator:
     ``profile``: a policy-core profile (``builtin_profile(...)`` or ``load_profile(...)``);
     a ``colocated`` pairing runs on :meth:`ClusterSpec.colocated` (every pool serves both
     stages). ``on_progress(done, total)`` is called every 1 % of completed requests.
+
+    ``stop_below`` (with ``judge``): the run only has to say whether the share of requests
+    meeting their targets reaches ``stop_below``; it stops as soon as the requests that
+    certainly missed (rejected, first token too late, or finished out of target, by
+    ``judge``) make that share unreachable, with ``SimResult.stopped_early`` set. A rate
+    search needs no more than that at a rate the fleet cannot serve, and an overloaded run is
+    the longest one: the queues it builds make every later decision see them.
     """
 
     def __init__(
@@ -109,6 +116,8 @@ class Simulator:
         requests: Sequence[TraceRequest],
         config: SimConfig | None = None,
         on_progress: Callable[[int, int], None] | None = None,
+        judge: Judge | None = None,
+        stop_below: float = 0.0,
     ) -> None:
         self.config = config or SimConfig()
         if profile.pairing == "colocated":
@@ -118,6 +127,10 @@ class Simulator:
         self.planner = Planner(profile)
         self.requests = list(requests)
         self.on_progress = on_progress
+        self._judge = judge if stop_below > 0 else None
+        self._stop_below = stop_below
+        self._misses = 0
+        self._stop = False
         self.rng = random.Random(self.config.seed)
         self.tier_rng = random.Random(self.config.seed + 1)
         views = cluster.worker_views()
@@ -303,6 +316,8 @@ class Simulator:
             reason = decision.reject_reasons[0] if decision.reject_reasons else "rejected"
             out.reject_reason = reason
             self.reject_reasons[reason] = self.reject_reasons.get(reason, 0) + 1
+            if self._judge is not None:
+                self._missed()
             self._complete_count()
             return
         if self.config.report_interval_s > 0:
@@ -402,6 +417,9 @@ class Simulator:
     def _first_token(self, i: int, w: SimWorker, now: float) -> None:
         out = self.outcomes[i]
         out.first_s = now
+        judge = self._judge
+        if judge is not None and judge.ttft_missed(out):
+            self._missed()
         if out.output_tokens <= 1:
             self._finish(i, w, now, from_step=False)
             self._admit(w, now)
@@ -507,7 +525,18 @@ class Simulator:
                 out.gaps_ms = tuple(g)
         w.kv_used -= r.prompt_tokens + r.output_tokens
         w.admitted -= 1
+        judge = self._judge
+        if judge is not None and not judge.ttft_missed(out) and not judge.met(out):
+            self._missed()  # a late first token was counted when it came
         self._complete_count()
+
+    def _missed(self) -> None:
+        """One more request certainly out of target: stop when the share that can still
+        meet them is below ``stop_below`` (the same division as ``metrics.attainment``)."""
+        self._misses += 1
+        n = len(self.requests)
+        if (n - self._misses) / n < self._stop_below:
+            self._stop = True
 
     def _complete_count(self) -> None:
         self._done += 1
@@ -537,7 +566,7 @@ class Simulator:
         pop = heapq.heappop
         events = 0
         now = 0.0
-        while heap:
+        while heap and not self._stop:
             now, _, kind, a, b = pop(heap)
             events += 1
             if kind == _ITER:
@@ -569,6 +598,7 @@ class Simulator:
             cached_prompt_tokens=self._cached_tokens,
             prompt_tokens=self._prefill_tokens,
             prefix_blocks_max=max((self.prefix.size(w.view.worker_id) for w in workers), default=0),
+            stopped_early=self._stop,
         )
 
 
@@ -579,7 +609,12 @@ def simulate(
     config: SimConfig | None = None,
     rate_scale: float = 1.0,
     on_progress: Callable[[int, int], None] | None = None,
+    judge: Judge | None = None,
+    stop_below: float = 0.0,
 ) -> SimResult:
     """Run one simulation; ``requests`` are used as given (rate-scale them beforehand with
-    ``hpd_sim.traces.reshape``; ``rate_scale`` is only recorded in the result)."""
-    return Simulator(cluster, profile, requests, config, on_progress).run(rate_scale)
+    ``hpd_sim.traces.reshape``; ``rate_scale`` is only recorded in the result).
+    ``judge``/``stop_below``: stop once that share of requests meeting their targets is out of
+    reach (:class:`Simulator`)."""
+    sim = Simulator(cluster, profile, requests, config, on_progress, judge, stop_below)
+    return sim.run(rate_scale)

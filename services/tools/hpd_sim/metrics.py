@@ -20,7 +20,7 @@ from typing import Any
 
 from .engine import RequestOutcome, SimResult, tbt_ms
 
-__all__ = ["Slo", "Summary", "attainment", "percentile", "summarize", "tbt_ms"]
+__all__ = ["Slo", "Summary", "TierSlos", "attainment", "percentile", "summarize", "tbt_ms"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,12 +38,18 @@ class Slo:
             raise ValueError("tbt_ms must be > 0")
 
     def met(self, o: RequestOutcome) -> bool:
-        """True when the request completed within every target."""
+        """True when the request completed within every target (one a run that stopped early
+        left unfinished, its times NaN, did not)."""
         if o.rejected:
             return False
-        if o.ttft_ms > self.ttft_ms or o.tpot_ms > self.tpot_ms:
+        if not (o.ttft_ms <= self.ttft_ms and o.tpot_ms <= self.tpot_ms):
             return False
         return self.tbt_ms is None or o.tbt_ms <= self.tbt_ms
+
+    def ttft_missed(self, o: RequestOutcome) -> bool:
+        """The first token came later than the TTFT target (the request misses, whatever its
+        TPOT will be)."""
+        return o.ttft_ms > self.ttft_ms
 
     @classmethod
     def parse(cls, text: str) -> Slo:
@@ -57,6 +63,21 @@ class Slo:
         if "ttft" not in values or "tpot" not in values:
             raise ValueError("an SLO needs both ttft and tpot")
         return cls(values["ttft"], values["tpot"], values.get("tbt"))
+
+
+@dataclass(frozen=True, slots=True)
+class TierSlos:
+    """Each request judged by its tier's SLO, ``default`` for a tier not in ``by_tier``
+    (what :func:`summarize` does), as an ``outcomes.Judge``."""
+
+    default: Slo
+    by_tier: Mapping[str, Slo]
+
+    def met(self, o: RequestOutcome) -> bool:
+        return self.by_tier.get(o.tier, self.default).met(o)
+
+    def ttft_missed(self, o: RequestOutcome) -> bool:
+        return self.by_tier.get(o.tier, self.default).ttft_missed(o)
 
 
 def percentile(values: Sequence[float], p: float) -> float:
@@ -99,6 +120,11 @@ class Summary:
     kinds: Mapping[str, int]
     reject_reasons: Mapping[str, int]
     wall_s: float
+    stopped_early: bool = False
+    """The run stopped once ``attainment`` could no longer reach the share it had to decide
+    (``run_point(stop_below=..)``): the attainment then counts every unfinished request as a
+    miss (a lower bound; the run's answer, below the share, is exact), percentiles are over
+    the finished requests."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict."""
@@ -119,6 +145,7 @@ class Summary:
             "decision_kinds": dict(self.kinds),
             "reject_reasons": dict(self.reject_reasons),
             "sim_wall_s": self.wall_s,
+            "stopped_early": self.stopped_early,
         }
 
 
@@ -144,7 +171,7 @@ def summarize(
     reported is ``base x rate_scale``)."""
     tier_slos = tier_slos or {}
     outs = result.outcomes
-    done = [o for o in outs if not o.rejected]
+    done = [o for o in outs if not o.rejected and not math.isnan(o.finish_s)]
     n = len(outs)
     met = met_ttft = met_tpot = 0
     tier_n: dict[str, int] = {}
@@ -163,7 +190,7 @@ def summarize(
         rate_scale=result.rate_scale,
         rate_rps=base_rate_rps * result.rate_scale,
         requests=n,
-        rejected=n - len(done),
+        rejected=sum(1 for o in outs if o.rejected),
         attainment=met / n if n else 0.0,
         attainment_ttft=met_ttft / n if n else 0.0,
         attainment_tpot=met_tpot / n if n else 0.0,
@@ -175,4 +202,5 @@ def summarize(
         kinds=result.kinds,
         reject_reasons=result.reject_reasons,
         wall_s=result.wall_s,
+        stopped_early=result.stopped_early,
     )

@@ -7,8 +7,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
-__all__ = ["RequestOutcome", "SimConfig", "SimResult", "tbt_ms"]
+__all__ = ["Judge", "RequestOutcome", "SimConfig", "SimResult", "tbt_ms"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +87,22 @@ class SimResult:
     cached_prompt_tokens: int = 0  # prompt tokens prefills did not compute (prefix hits)
     prompt_tokens: int = 0  # prompt tokens of every prefill run
     prefix_blocks_max: int = 0  # the largest per-worker prefix index (blocks) at the end
+    stopped_early: bool = False
+    """The run stopped once its attainment could no longer reach the share it was asked to
+    decide (``Simulator(stop_below=..)``); requests not finished by then have NaN times."""
+
+
+class Judge(Protocol):
+    """Whether a request met its targets (``metrics.Slo`` is one): what a run that may stop
+    early (``Simulator(stop_below=..)``) counts its certain misses by."""
+
+    def met(self, o: RequestOutcome) -> bool:
+        """The finished (or rejected) request kept every target."""
+        ...
+
+    def ttft_missed(self, o: RequestOutcome) -> bool:
+        """The request's first token (``first_s`` set) came too late, whatever follows."""
+        ...
 
 
 def tbt_ms(gaps: Sequence[float]) -> float:

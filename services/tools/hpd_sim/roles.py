@@ -143,14 +143,14 @@ def advise(
         begin = start
         if best is not None and best_scale > 0:
             begin = best_scale * (1.0 + rel_tol)
-            probe = run_point(fleet, prof, sample, begin, slo, config)
+            probe = run_point(fleet, prof, sample, begin, slo, config, stop_below=target)
             if probe.attainment < target:
                 goodput[d.name] = None
                 failed[d.name] = begin * sample.mean_rate
                 continue
         run = run_policy(
             fleet, prof, sample, slo, config, search=True, start=begin, rel_tol=rel_tol,
-            target=target,
+            target=target, early_stop=True,
         )  # fmt: skip
         goodput[d.name] = run.goodput_rps or 0.0
         if best is None or (run.goodput_scale or 0.0) > best_scale:

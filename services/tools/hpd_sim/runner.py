@@ -14,7 +14,7 @@ from hpd_sim.traces import Trace, reshape
 from .cluster import ClusterSpec
 from .engine import SimConfig, simulate
 from .goodput import search_goodput
-from .metrics import Slo, Summary, summarize
+from .metrics import Slo, Summary, TierSlos, summarize
 
 __all__ = ["POLICY_ALIASES", "PolicyRun", "resolve_policy", "run_point", "run_policy"]
 
@@ -45,10 +45,17 @@ def run_point(
     config: SimConfig,
     tier_slos: dict[str, Slo] | None = None,
     progress: Callable[[int, int], None] | None = None,
+    stop_below: float = 0.0,
 ) -> Summary:
-    """Simulate ``trace`` at ``scale`` x its rate and summarise against ``slo``."""
+    """Simulate ``trace`` at ``scale`` x its rate and summarise against ``slo``.
+
+    ``stop_below`` > 0: the caller only needs to know whether the attainment reaches that
+    share; the run stops as soon as it cannot (``Summary.stopped_early``, whose attainment is
+    then a lower bound below ``stop_below``). Whether it reaches the share is the same answer
+    a whole run gives."""
     reqs = reshape(trace, rate_scale=scale)
-    result = simulate(cluster, profile, reqs.requests, config, scale, progress)
+    judge = TierSlos(slo, tier_slos) if tier_slos else slo
+    result = simulate(cluster, profile, reqs.requests, config, scale, progress, judge, stop_below)
     return summarize(result, slo, tier_slos, base_rate_rps=trace.mean_rate)
 
 
@@ -90,26 +97,35 @@ def run_policy(
     rel_tol: float = 0.02,
     tier_slos: dict[str, Slo] | None = None,
     progress: Progress | None = None,
+    early_stop: bool = False,
 ) -> PolicyRun:
     """Evaluate ``policy`` (a name for :func:`resolve_policy`, or a profile) at each of
-    ``scales`` and, with ``search``, find its goodput."""
+    ``scales`` and, with ``search``, find its goodput.
+
+    ``early_stop``: the search's own points stop once they cannot reach ``target``
+    (:func:`run_point`'s ``stop_below``): the same goodput, in less time, but a failed
+    point's attainment is then only a lower bound (``Summary.stopped_early``); the points of
+    ``scales`` always run whole."""
     profile = policy if isinstance(policy, Profile) else resolve_policy(policy)
     name = policy if isinstance(policy, str) else profile.name
     run = PolicyRun(name)
     seen: dict[float, Summary] = {}
 
-    def at(scale: float) -> float:
+    def at(scale: float, stop_below: float = 0.0) -> float:
         if scale not in seen:
             label = f"{name} x{scale:.3g}"
             cb = (lambda d, n: progress(label, d, n)) if progress else None
-            seen[scale] = run_point(cluster, profile, trace, scale, slo, config, tier_slos, cb)
+            seen[scale] = run_point(
+                cluster, profile, trace, scale, slo, config, tier_slos, cb, stop_below
+            )
             run.points.append(seen[scale])
         return seen[scale].attainment
 
     for s in scales or []:
         at(s)
     if search:
-        found = search_goodput(at, target=target, start=start, rel_tol=rel_tol)
+        stop = target if early_stop else 0.0
+        found = search_goodput(lambda s: at(s, stop), target=target, start=start, rel_tol=rel_tol)
         run.goodput_scale = found.scale
         run.goodput_rps = found.scale * trace.mean_rate
     return run

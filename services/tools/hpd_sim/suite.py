@@ -252,13 +252,14 @@ def run_cell(
             if declared and chosen.chosen.name != DEPLOYMENTS[0].name:
                 as_declared = run_policy(
                     spec, profile, trace, w.slo, config, search=True, start=start,
-                    rel_tol=rel_tol,
+                    rel_tol=rel_tol, early_stop=True,
                 )  # fmt: skip
                 goodput["ours_as_declared"] = as_declared.goodput_rps or 0.0
             profile, fleet = chosen.chosen.profile(profile), chosen.chosen.cluster(spec)
         run = run_policy(
-            fleet, profile, trace, w.slo, config, search=True, start=start, rel_tol=rel_tol
-        )
+            fleet, profile, trace, w.slo, config, search=True, start=start, rel_tol=rel_tol,
+            early_stop=True,
+        )  # fmt: skip
         goodput[policy] = run.goodput_rps or 0.0
         if policy == "ours" and advice["deployment"] == DEPLOYMENTS[0].name:
             goodput["ours_as_declared"] = goodput[policy]
