@@ -34,7 +34,9 @@ conversation, Mooncake, synthetic long prompts, short prompts and bursts); per c
 ``ours_vs_best_baseline``; overall ``min_ours_vs_best_baseline`` and
 ``geomean_ours_vs_least_loaded_heterogeneous``. Ours runs on the deployment advised
 from a held-out sample of each cell's workload (``hpd_sim.roles``; ``colocated`` redeploys
-the fleet too); with ``--declared`` also ours on the fleet as declared in every cell
+the fleet too; at least 2,000 requests: ``suite.ADVICE_MIN_REQUESTS``); a search's points
+stop as soon as they cannot keep 90 % (the same goodput, in less time); with ``--declared``
+also ours on the fleet as declared in every cell
 (``min_ours_as_declared_vs_best_baseline``; one more search where the advice changed it).
 Prints the matrix and, with ``--out DIR``
 (default ``bench/results``), writes ``suite.json`` and the heat map ``suite.png``.

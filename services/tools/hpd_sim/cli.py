@@ -17,10 +17,12 @@ when matplotlib is installed, ``attainment.png`` (SLO attainment against rate pe
 DistServe plots it).
 
 ``--advise``: which deployment to run the fleet in for this traffic (``hpd_sim.roles``): the
-pools as declared, every pool serving both stages with the planner choosing per request, or
-every request on one worker; each is simulated with the (first) policy and the one with the
-most goodput is advised. Give it a sample of your own traffic: the advice is as good as the
-sample is like the traffic the fleet will serve.
+pools as declared, every pool serving both stages with the planner choosing per request,
+every request on one worker, or every request on one worker ranked by the weighted load
+factors alone (the built-in ``colocated`` profile); each is simulated with the (first)
+policy, the last with its own profile, and the one with the most goodput is advised. Give
+it a sample of your own traffic: the advice is as good as the sample is like the traffic the
+fleet will serve.
 """
 
 from __future__ import annotations
@@ -120,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--advise",
         action="store_true",
         help="advise a deployment for this traffic: pools as declared, every pool serving "
-        "both stages, or colocated (each simulated with the first --policy; goodput search)",
+        "both stages, colocated, or colocated by the `colocated` profile's weights (each "
+        "simulated with the first --policy, the last with its own; goodput search)",
     )
     return p
 
@@ -339,13 +342,16 @@ def _advise(
         mark = "->" if d is advice.chosen else "  "
         g = advice.goodput_rps[d.name]
         shown = f"{g:8.2f}" if g is not None else f"< {advice.failed_at_rps[d.name]:6.2f}"
-        print(f"{mark} {d.name:<12} goodput {shown} req/s  {d.description}")
+        print(f"{mark} {d.name:<17} goodput {shown} req/s  {d.description}")
     if not advice.chosen.every_pool_both:
         print("advised: keep the pools as declared")
     else:
         print("advised: every engine with a KV connector on both sides (kv_both), its agent with")
         print("`--role both` (cluster files: `stage: both`)")
-        if advice.chosen.colocated:
+        if advice.chosen.routing:
+            print(f"and the built-in `{advice.chosen.routing}` profile as the scheduler's")
+            print(f"(HPD_PROFILE={advice.chosen.routing})")
+        elif advice.chosen.colocated:
             print("and `pairing: colocated` in the scheduler's profile")
     return 0
 

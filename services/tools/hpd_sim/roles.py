@@ -16,7 +16,15 @@ Candidates (:data:`DEPLOYMENTS`):
   whether to disaggregate (a prefill on a worker that decodes is priced by the stall it puts
   on that worker's batch);
 * ``colocated``: every pool serves both stages and every request runs on one worker (the
-  profile's ``pairing: colocated``).
+  profile's ``pairing: colocated``);
+* ``colocated_weights``: the same deployment, each request's worker ranked by the weighted
+  load factors alone (the built-in ``colocated`` profile, no SLO objective). On a fleet
+  where every request runs whole on one worker, ranking by predicted TTFT and TPOT can lose
+  to plain load balancing: measured on the suite's decode-heavy cluster with long prompts
+  (2,000-request samples, two seeds), 5.75-5.87 req/s with the objective against 6.60-6.85
+  by weights, and 13-15 % on the homogeneous cluster's Mooncake slice; on most other cells
+  they are within a search step of each other. Which one a fleet should run is measured,
+  like the deployment.
 
 The sample must not be the traffic the advice is then judged on: :func:`advise` takes it as
 given, and the suite (:mod:`.suite`) draws it from a disjoint slice of a trace or another
@@ -28,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from hpd_scheduler.policy import Profile
+from hpd_scheduler.policy import Profile, builtin_profile
 from hpd_sim.traces import Trace
 
 from .cluster import ClusterSpec
@@ -48,6 +56,9 @@ class Deployment:
     description: str
     every_pool_both: bool
     colocated: bool
+    routing: str = ""
+    """A built-in profile that routes this deployment instead of the base profile ('': the
+    base profile, with this deployment's pairing)."""
 
     def cluster(self, spec: ClusterSpec) -> ClusterSpec:
         """The cluster as this deployment runs it."""
@@ -57,7 +68,10 @@ class Deployment:
         return replace(both, name=f"{spec.name}-{self.name}")
 
     def profile(self, base: Profile) -> Profile:
-        """``base`` as this deployment runs it (the pairing, nothing else)."""
+        """``base`` as this deployment runs it (the pairing, nothing else), or the built-in
+        profile it names in ``routing``."""
+        if self.routing:
+            return builtin_profile(self.routing)
         return replace(base, pairing="colocated") if self.colocated else base
 
 
@@ -79,6 +93,13 @@ DEPLOYMENTS = (
         "every pool serves both stages; every request on one worker",
         every_pool_both=True,
         colocated=True,
+    ),
+    Deployment(
+        "colocated_weights",
+        "every pool serves both stages; every request on one worker, by the weighted factors",
+        every_pool_both=True,
+        colocated=True,
+        routing="colocated",
     ),
 )
 

@@ -87,6 +87,16 @@ HOMOGENEOUS = frozenset({"homogeneous"})
 BASELINES = ("least_loaded", "seed", "colocated", "round_robin", "random")
 POLICIES = ("ours", *BASELINES)
 CLIFF_POLICIES = ("ours", "least_loaded")
+ADVICE_MIN_REQUESTS = 2000
+"""The least a held-out sample for deployment advice holds (more when the cell's trace is
+longer). The goodput of one policy on two disjoint 400-request samples of the same workload
+(the suite's shortest cells) differed by up to 30 % (two Mooncake slices on the homogeneous
+cluster, the colocated profile: 6.33 and 8.99 req/s), more than the margins between the
+deployments the advice chooses from; at 2,000 requests the same pair was 7.97 and 9.19, and on
+the decode-heavy cluster's long prompts the candidates came in the same order on two seeds
+(colocated by weights 6.85 / 6.60, ours colocated 5.87 / 5.75, as declared 5.75 / 5.62
+req/s). Larger samples cost simulation time in every cell of the suite; 2,000 kept the quick
+suite within its time (bench/README.md)."""
 OVERLOAD = 1.5
 """Past capacity: the attainment of ``CLIFF_POLICIES`` at ``OVERLOAD`` x their own goodput
 rate, which says how steep each one's cliff is (at goodput both keep 90 %)."""
@@ -123,23 +133,26 @@ def cluster_path(name: str) -> Path:
     return default if name == "default" else default.parent / "suite" / f"{name}.yaml"
 
 
-def load_workload(w: Workload, n: int, holdout: bool = False) -> Trace:
+def load_workload(w: Workload, n: int, holdout: bool = False, measured: int | None = None) -> Trace:
     """The first ``n`` requests of a workload (a synthetic one generated with seed 0).
 
-    ``holdout``: ``n`` requests the cell is not measured on, for deployment advice
-    (:mod:`.roles`): another seed of a synthetic generator, or the *last* ``n`` requests of
-    a trace, arrivals rebased to 0: disjoint from the first ``n`` while ``2 n`` is at most the
-    trace's length (19,366 Azure requests, 3,993 Mooncake ones; the full suite's longest
-    cells take 8,000 and 784)."""
+    ``holdout``: up to ``n`` requests the cell is not measured on, for deployment advice
+    (:mod:`.roles`): another seed of a synthetic generator, or of a trace the requests
+    right after the ``measured`` first ones (default ``n``), arrivals rebased to 0, as many as
+    the trace has left (19,366 Azure requests, 3,993 Mooncake ones; the full suite's longest
+    cells take 8,000 and 784). The next stretch of a trace, not a later one: a trace's
+    traffic drifts (Mooncake's last 400 requests advised other deployments than the 2,000
+    after its first 400), and an operator advises from the traffic just seen."""
     if w.source.startswith("synthetic:"):
         return synthetic_trace(w.source.partition(":")[2], n=n, seed=1 if holdout else 0)
     traces = default_cluster_path().parent.parent / "traces"
     trace = load_trace(traces / w.source)
     if not holdout:
         return reshape(trace, max_requests=n)
-    tail = trace.requests[-n:] if n > 0 else ()
-    t0 = tail[0].arrival_s if tail else 0.0
-    moved = tuple(replace(r, arrival_s=r.arrival_s - t0) for r in tail)
+    first = n if measured is None else measured
+    nxt = trace.requests[first : first + n]
+    t0 = nxt[0].arrival_s if nxt else 0.0
+    moved = tuple(replace(r, arrival_s=r.arrival_s - t0) for r in nxt)
     return Trace(f"{trace.name}-holdout", moved)
 
 
@@ -226,11 +239,12 @@ def run_cell(
     overloaded fleet have built up would be a transient, not a rate the fleet sustains.
 
     ``ours`` runs on the deployment :func:`.roles.advise` chooses from a held-out sample of
-    the workload (as long as the measured trace: a shorter one ends before queues build and
-    flatters whichever deployment has the most batch slots; :func:`load_workload` with
-    ``holdout``). Its goodput on the fleet as declared, ``ours_as_declared``, is the same
-    run when the advice keeps the declared split, and is searched too with ``declared``
-    (one more search: the quick suite leaves it out to stay within its time)."""
+    the workload (at least as long as the measured trace, since a shorter one ends before
+    queues build and flatters whichever deployment has the most batch slots, and at least
+    :data:`ADVICE_MIN_REQUESTS`; :func:`load_workload` with ``holdout``). Its goodput on
+    the fleet as declared, ``ours_as_declared``, is the same run when the advice keeps the
+    declared split, and is searched too with ``declared`` (one more search: the quick suite
+    leaves it out to stay within its time)."""
     t0 = time.perf_counter()
     spec, w, bound, n = _cell_size(cluster, workload, seconds, max_requests)
     trace = load_workload(w, n)
@@ -246,7 +260,7 @@ def run_cell(
     for policy in policies:
         profile, fleet = resolve_policy(policy), spec
         if policy == "ours":
-            held = load_workload(w, n, holdout=True)
+            held = load_workload(w, max(n, ADVICE_MIN_REQUESTS), holdout=True, measured=n)
             chosen = advise(spec, profile, held, w.slo, config, start_of(held), rel_tol)
             advice = chosen.to_dict()
             if declared and chosen.chosen.name != DEPLOYMENTS[0].name:

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from hpd_sim import cli
 from hpd_sim.cli import main
+from hpd_sim.roles import DEPLOYMENTS, Advice, deployment
 from hpd_sim.suite import cluster_path
 
 
@@ -89,13 +91,26 @@ def test_advise_names_each_deployment_and_the_one_with_the_most_goodput(
     assert main([*argv, "--json", "--no-progress"]) == 0
     doc = json.loads(capsys.readouterr().out)
     goodput = doc["sample_goodput_rps"]
-    assert set(goodput) == {"as_declared", "both_stages", "colocated"}
+    assert set(goodput) == {"as_declared", "both_stages", "colocated", "colocated_weights"}
     assert goodput[doc["deployment"]] == max(g for g in goodput.values() if g is not None)
     # long prompts' KV would cross a 10 Gb/s pipe to most of the decode GPUs
     assert doc["deployment"] != "as_declared"
     assert main([*argv, "--no-progress"]) == 0
     text = capsys.readouterr().out
     assert f"-> {doc['deployment']}" in text and "--role both" in text
+
+
+def test_advice_to_route_by_weights_names_the_profile_to_run(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    chosen = deployment("colocated_weights")
+    goodput: dict[str, float | None] = {d.name: 1.0 for d in DEPLOYMENTS}
+    goodput[chosen.name] = 2.0
+    monkeypatch.setattr(cli, "advise", lambda *a, **k: Advice(chosen, goodput, {}, 400))
+    argv = ["--advise", "--trace", "synthetic:long_prompts", "--max-requests", "50"]
+    assert main([*argv, "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    assert "-> colocated_weights" in text and "HPD_PROFILE=colocated" in text
 
 
 def test_advise_refuses_an_unknown_policy(capsys: pytest.CaptureFixture[str]) -> None:

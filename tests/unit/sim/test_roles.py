@@ -13,7 +13,7 @@ from hpd_sim.engine import SimConfig
 from hpd_sim.goodput import fluid_bound
 from hpd_sim.roles import DEPLOYMENTS, Deployment, advise, deployment
 from hpd_sim.runner import resolve_policy, run_policy
-from hpd_sim.suite import WORKLOADS, Workload, cluster_path, load_workload
+from hpd_sim.suite import ADVICE_MIN_REQUESTS, WORKLOADS, Workload, cluster_path, load_workload
 from hpd_sim.traces import Trace, load_trace
 from hpd_sim.workloads import synthetic_trace
 
@@ -35,6 +35,14 @@ def test_each_candidate_runs_the_fleet_as_it_says() -> None:
     assert both.profile(base).pairing == "joint"
     assert colocated.profile(base).pairing == "colocated"
     assert colocated.profile(base).slo_objective == base.slo_objective
+    # the same deployment routed by the weighted factors alone (the built-in profile)
+    weights = deployment("colocated_weights")
+    assert weights.cluster(spec).pools == colocated.cluster(spec).pools
+    by_weights, builtin = weights.profile(base), resolve_policy("colocated")
+    assert by_weights.name == builtin.name == "colocated" and by_weights.pairing == "colocated"
+    assert by_weights.slo_objective is None
+    assert by_weights.prefill.weights() == builtin.prefill.weights()
+    assert by_weights.decode.weights() == builtin.decode.weights()
     with pytest.raises(ValueError, match="both_stages"):
         deployment("nope")
 
@@ -124,11 +132,27 @@ def test_the_held_out_sample_is_not_the_measured_traffic(w: Workload) -> None:
         assert held == synthetic_trace(w.source.partition(":")[2], n=400, seed=1)
         assert held.requests != measured.requests
         return
-    # a trace's last 400 requests, 400 or more requests after the measured slice ends
+    # a trace's next 400 requests, right after the measured slice
     whole = load_trace(TRACES / w.source).requests
     assert len(whole) >= 800
-    tail = whole[-400:]
+    nxt = whole[400:800]
     assert [(r.prompt_tokens, r.output_tokens, r.hash_ids) for r in held.requests] == [
-        (r.prompt_tokens, r.output_tokens, r.hash_ids) for r in tail
+        (r.prompt_tokens, r.output_tokens, r.hash_ids) for r in nxt
     ]
-    assert held.requests[-1].arrival_s == pytest.approx(tail[-1].arrival_s - tail[0].arrival_s)
+    assert held.requests[-1].arrival_s == pytest.approx(nxt[-1].arrival_s - nxt[0].arrival_s)
+
+
+@pytest.mark.parametrize("w", WORKLOADS, ids=lambda w: w.name)
+def test_a_held_out_sample_longer_than_the_measured_slice_follows_it_to_the_trace_end(
+    w: Workload,
+) -> None:
+    measured, n = 400, 10 * ADVICE_MIN_REQUESTS
+    held = load_workload(w, n, holdout=True, measured=measured)
+    if w.source.startswith("synthetic:"):  # a generator has no end
+        assert len(held) == n
+        return
+    whole = load_trace(TRACES / w.source).requests
+    assert len(held) == min(n, len(whole) - measured)
+    assert [r.prompt_tokens for r in held.requests] == [
+        r.prompt_tokens for r in whole[measured : measured + len(held)]
+    ]
