@@ -141,8 +141,10 @@ def load_workload(w: Workload, n: int, holdout: bool = False, measured: int | No
     right after the ``measured`` first ones (default ``n``), arrivals rebased to 0, as many as
     the trace has left (19,366 Azure requests, 3,993 Mooncake ones; the full suite's longest
     cells take 8,000 and 784). The next stretch of a trace, not a later one: a trace's
-    traffic drifts (Mooncake's last 400 requests advised other deployments than the 2,000
-    after its first 400), and an operator advises from the traffic just seen."""
+    traffic drifts (with Mooncake's last 3,593 requests as the sample, two of its cells were
+    advised another deployment and lost a quarter of their goodput; the 2,000 right after
+    the measured slice advise what its last 400 did), and an operator advises from the
+    traffic just seen."""
     if w.source.startswith("synthetic:"):
         return synthetic_trace(w.source.partition(":")[2], n=n, seed=1 if holdout else 0)
     traces = default_cluster_path().parent.parent / "traces"
