@@ -22,7 +22,7 @@ Candidates (:data:`DEPLOYMENTS`):
   where every request runs whole on one worker, ranking by predicted TTFT and TPOT can lose
   to plain load balancing: measured on the suite's decode-heavy cluster with long prompts
   (2,000-request samples, two seeds), 5.75-5.87 req/s with the objective against 6.60-6.85
-  by weights, and 13-15 % on the homogeneous cluster's Mooncake slice; on most other cells
+  by weights, and 2-15 % less on the homogeneous cluster's Mooncake slices; on most other cells
   they are within a search step of each other. Which one a fleet should run is measured,
   like the deployment.
 
