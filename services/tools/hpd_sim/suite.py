@@ -19,12 +19,14 @@ long-context ones.
 round_robin and random. The ``colocated`` baseline redeploys the fleet (every GPU serves both
 stages); the same choice is open to a hetero-pd operator, so ours runs on the deployment
 that :mod:`.roles` advises from a held-out sample of the cell's workload (the pools as
-declared, every pool both stages, or colocated; ``ours_deployment`` in the JSON), and its
+declared, every pool both stages, colocated, or colocated placed by the ``colocated``
+profile's weights, where ours *is* that baseline; ``ours_deployment`` in the JSON), and its
 goodput on the fleet as declared is reported beside it (``ours_as_declared``). Per cell,
 goodput (the highest rate with >= 90 % of requests meeting both SLOs,
 :func:`~.goodput.search_goodput`) of each, and ``ours_vs_best_baseline`` = ours /
 the best baseline's. Every search in a cell starts from half the cell's fluid bound, so the
-policies are bracketed from the same point.
+policies are bracketed from the same point, and its points stop once they cannot keep 90 %
+(``run_policy(early_stop=True)``: the same goodput in less time).
 
 Figures: ``min_ours_vs_best_baseline`` over all cells (and
 ``min_ours_as_declared_vs_best_baseline``, the same for ours on the declared fleet) and
