@@ -73,11 +73,15 @@ class TierSlos:
     default: Slo
     by_tier: Mapping[str, Slo]
 
+    def of(self, tier: str) -> Slo:
+        """The SLO a request of ``tier`` is judged by."""
+        return self.by_tier.get(tier, self.default)
+
     def met(self, o: RequestOutcome) -> bool:
-        return self.by_tier.get(o.tier, self.default).met(o)
+        return self.of(o.tier).met(o)
 
     def ttft_missed(self, o: RequestOutcome) -> bool:
-        return self.by_tier.get(o.tier, self.default).ttft_missed(o)
+        return self.of(o.tier).ttft_missed(o)
 
 
 def percentile(values: Sequence[float], p: float) -> float:
@@ -169,7 +173,7 @@ def summarize(
     """Summarise a run. Each request is judged by its tier's SLO when ``tier_slos`` has it,
     by ``slo`` otherwise. ``base_rate_rps``: the unscaled trace's mean rate (the rate
     reported is ``base x rate_scale``)."""
-    tier_slos = tier_slos or {}
+    judge = TierSlos(slo, tier_slos or {})
     outs = result.outcomes
     done = [o for o in outs if not o.rejected and not math.isnan(o.finish_s)]
     n = len(outs)
@@ -177,7 +181,7 @@ def summarize(
     tier_n: dict[str, int] = {}
     tier_met: dict[str, int] = {}
     for o in outs:
-        s = tier_slos.get(o.tier, slo)
+        s = judge.of(o.tier)
         ok = s.met(o)
         met += ok
         if not o.rejected:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hpd_sim import RequestOutcome, Slo, load_cluster, percentile, tbt_ms
+from hpd_sim import RequestOutcome, SimResult, Slo, load_cluster, percentile, summarize, tbt_ms
 from hpd_sim.goodput import fluid_bound, search_goodput
 from hpd_sim.traces import TraceRequest
 
@@ -132,3 +132,17 @@ def test_fluid_bound_is_the_smaller_stage_and_grows_with_the_tpot_slo() -> None:
     colo = fluid_bound(cluster.colocated(), reqs, tpot_ms=80.0)
     assert colo.prefill_rps == colo.decode_rps == 0.0
     assert colo.both_rps > 0
+
+
+def test_a_summary_judges_each_request_by_its_tiers_slo() -> None:
+    # one request per tier, each 2 s to its first token: within the batch tier's 30 s,
+    # past the interactive tier's 1 s (and past the default SLO a tier without one gets)
+    outs = [
+        RequestOutcome(i, tier, 0.0, 100, 2, first_s=2.0, finish_s=2.01)
+        for i, tier in enumerate(("batch", "interactive", "standard"))
+    ]
+    result = SimResult("p", "c", 1.0, outs, 2.01, 0.0, 3, 3, 3)
+    slos = {"batch": Slo(30_000.0, 200.0), "interactive": Slo(1000.0, 50.0)}
+    s = summarize(result, Slo(1500.0, 100.0), slos)
+    assert s.per_tier == {"batch": 1.0, "interactive": 0.0, "standard": 0.0}
+    assert s.attainment == pytest.approx(1 / 3)
