@@ -108,12 +108,14 @@ def _flood(url: str, n: int, max_tokens: int) -> list[threading.Thread]:
 
 def test_load_in_the_registry_follows_the_engine(pd_pair: RealFleet) -> None:
     """With N requests in flight on the decode engine, the registry shows them within two
-    scrape periods of the engine's own /metrics showing them."""
+    scrape periods of the engine's own /metrics showing them; the engine prefilled them, so
+    a report shows a prefill busy share above 0 (and at most 1) while they decode."""
     real = pd_pair
     n = 4
     engine = real.engines["decode"]
     threads = _flood(engine.url, n, max_tokens=300)
     seen_engine = seen_registry = None
+    busiest = 0.0
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and seen_registry is None:
         now = time.monotonic()
@@ -127,8 +129,15 @@ def test_load_in_the_registry_follows_the_engine(pd_pair: RealFleet) -> None:
         got = real.worker("d0")
         assert got is not None
         load = got.worker.load
+        busiest = max(busiest, load.prefill_busy)
         if seen_engine is not None and load.batch_size + load.queue_depth >= n:
             seen_registry = time.monotonic()
+        time.sleep(0.05)
+    # the prefills are counted by the first scrape after they end, while the requests decode
+    while busiest == 0.0 and any(t.is_alive() for t in threads):
+        got = real.worker("d0")
+        assert got is not None
+        busiest = max(busiest, got.worker.load.prefill_busy)
         time.sleep(0.05)
     for t in threads:
         t.join(timeout=120)
@@ -137,6 +146,7 @@ def test_load_in_the_registry_follows_the_engine(pd_pair: RealFleet) -> None:
     lag = seen_registry - seen_engine
     # two periods, plus the slack of a 2-core machine whose engines spin on both cores
     assert lag <= 2 * SCRAPE_PERIOD_S + 0.5, f"registry lagged the engine by {lag:.2f} s"
+    assert 0.0 < busiest <= 1.0, f"prefill busy share {busiest}"
     # and back to idle once they finish
     t0 = time.monotonic()
     while time.monotonic() - t0 < 10:

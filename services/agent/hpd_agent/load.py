@@ -8,6 +8,14 @@ KV usage. Rates come from the difference between the two latest scrapes:
   instead, like SGLang, is taken as is);
 * prefill throughput = delta(prompt tokens the engine computed itself) / delta(seconds in
   the prefill phase), a per-request speed rather than the engine's load-dependent output;
+* prefill busy share = delta(seconds in the prefill phase) / delta(wall seconds), capped
+  at 1: how much of the time the engine's running batch was held up by prefills (the
+  scheduler's TPOT estimate divides the decode step by ``1 - share``). The engine sums the
+  phase per request, so prefills that share a step are each counted in full, and a chunked
+  prefill's phase includes the decode work in its steps: an upper bound under load, which
+  errs toward keeping decode batches within their TPOT. Unlike the rates, an
+  engine with no new prefills reports 0 (it is not prefilling), and so does one that exports
+  no prefill-phase time (SGLang);
 * ITL p50 / p99 from the delta of the inter-token latency histogram, interpolated linearly
   inside the bucket that holds the quantile (as PromQL's ``histogram_quantile`` does).
 
@@ -67,6 +75,7 @@ class LoadTracker:
     kv_blocks_total: int
     queue_max: int
     _prev: EngineSample | None = None
+    _prev_ms: int = 0
     _hit_rate: float = 0.0
     _prefill_tps: float = 0.0
     _itl_p50_ms: float = 0.0
@@ -79,6 +88,8 @@ class LoadTracker:
     def update(self, sample: EngineSample, now_ms: int) -> LoadReport:
         """Fold in one scrape taken at ``now_ms`` and return the report to send."""
         prev, self._prev = self._prev, sample
+        prev_ms, self._prev_ms = self._prev_ms, now_ms
+        prefill_busy = 0.0
         if sample.prefix_hit_rate is not None:
             self._hit_rate = sample.prefix_hit_rate
         elif prev is not None:
@@ -91,6 +102,8 @@ class LoadTracker:
             dn = _delta(sample.prompt_tokens_computed, prev.prompt_tokens_computed)
             if dt and dn:
                 self._prefill_tps = dn / dt
+            if dt and now_ms > prev_ms:
+                prefill_busy = min(1.0, dt * 1000.0 / (now_ms - prev_ms))
             if sample.itl_buckets and len(sample.itl_buckets) == len(prev.itl_buckets):
                 diff = [
                     (b, c - pc)
@@ -115,4 +128,5 @@ class LoadTracker:
             prefill_tokens_per_s=self._prefill_tps,
             reported_at_ms=now_ms,
             prefix_cache_hit_rate=self._hit_rate,
+            prefill_busy=prefill_busy,
         )

@@ -206,6 +206,7 @@ class LoadReport:
     prefill_tokens_per_s: float = 0.0
     reported_at_ms: int = 0
     prefix_cache_hit_rate: float = 0.0
+    prefill_busy: float = 0.0
 
     @property
     def reported_at_s(self) -> float:

@@ -163,6 +163,7 @@ def load_from_pb(m: c.LoadReport) -> LoadReport:
         prefill_tokens_per_s=m.prefill_tokens_per_s,
         reported_at_ms=m.reported_at_unix_ms,
         prefix_cache_hit_rate=m.prefix_cache_hit_rate,
+        prefill_busy=m.prefill_busy,
     )
 
 
@@ -182,6 +183,7 @@ def load_to_pb(x: LoadReport) -> c.LoadReport:
         prefill_tokens_per_s=x.prefill_tokens_per_s,
         reported_at_unix_ms=x.reported_at_ms,
         prefix_cache_hit_rate=x.prefix_cache_hit_rate,
+        prefill_busy=x.prefill_busy,
     )
 
 

@@ -89,16 +89,19 @@ def _s(value: bytes | str | None) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-_LOAD_TAG = b"\x00\x02"
-"""Starts a load report stored in binary (version 2); no JSON text starts with NUL."""
+_LOAD_TAG = b"\x00\x03"
+"""Starts a load report stored in binary (version 3); no JSON text starts with NUL."""
 _LOAD_BIN = struct.Struct(
     "<" + "".join("d" if t == "float" else "q" for t in LoadReport.__annotations__.values())
 )
 """Every LoadReport field in declaration order: float as float64, int as int64."""
 _LOAD_FIELDS = tuple(LoadReport.__annotations__)
-_LOAD_TAG_V1 = b"\x00\x01"
-_LOAD_BIN_V1 = struct.Struct("<" + "d" * 4 + "q" * 4 + "d" * 4 + "q")
-"""Version 1: the first 13 fields (before ``prefix_cache_hit_rate``), still read back."""
+_LOAD_OLDER = {
+    b"\x00\x01": struct.Struct("<" + "d" * 4 + "q" * 4 + "d" * 4 + "q"),
+    b"\x00\x02": struct.Struct("<" + "d" * 4 + "q" * 4 + "d" * 4 + "q" + "d"),
+}
+"""Earlier versions, still read back: 1, the first 13 fields (before
+``prefix_cache_hit_rate``); 2, the first 14 (before ``prefill_busy``)."""
 
 
 def encode_load(load: LoadReport) -> bytes:
@@ -118,10 +121,12 @@ def encode_load(load: LoadReport) -> bytes:
 def decode_load(raw: bytes | str) -> LoadReport:
     """A stored load report: the binary form (either version), or JSON (as earlier
     versions wrote it)."""
-    if isinstance(raw, bytes) and raw[:2] == _LOAD_TAG:
-        return LoadReport(*_LOAD_BIN.unpack(raw[2:]))
-    if isinstance(raw, bytes) and raw[:2] == _LOAD_TAG_V1:
-        return LoadReport(*_LOAD_BIN_V1.unpack(raw[2:]))
+    if isinstance(raw, bytes):
+        if raw[:2] == _LOAD_TAG:
+            return LoadReport(*_LOAD_BIN.unpack(raw[2:]))
+        older = _LOAD_OLDER.get(raw[:2])
+        if older is not None:
+            return LoadReport(*older.unpack(raw[2:]))
     return LoadReport.from_dict(json.loads(raw))
 
 

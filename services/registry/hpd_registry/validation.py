@@ -138,6 +138,7 @@ def validate_load(path: str, load: LoadReport, now_ms: int) -> None:
     check_number(p + "itl_trend_ms_per_s", load.itl_trend_ms_per_s, -MAX_MS, MAX_MS)
     check_number(p + "prefill_tokens_per_s", load.prefill_tokens_per_s, 0, 1e9)
     check_number(p + "prefix_cache_hit_rate", load.prefix_cache_hit_rate, 0, 1)
+    check_number(p + "prefill_busy", load.prefill_busy, 0, 1)
     if load.reported_at_ms:
         if load.reported_at_ms > now_ms + CLOCK_SKEW_MS:
             raise InvalidArgument(p + "reported_at_unix_ms", "is in the future")

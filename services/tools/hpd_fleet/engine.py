@@ -186,7 +186,8 @@ class EmulatedEngine:
         self._steps: collections.deque[float] = collections.deque(maxlen=256)
         self._prefill_rate: collections.deque[tuple[int, float]] = collections.deque(maxlen=32)
         self._busy_ms = 0.0
-        self._busy_mark = (0.0, 0.0)
+        self._prefill_ms = 0.0
+        self._busy_mark = (0.0, 0.0, 0.0)
         self._running_prefill = False
         self._wake = asyncio.Event()
         self.died = asyncio.Event()
@@ -344,6 +345,7 @@ class EmulatedEngine:
             self._running_prefill = False
         end = self.time.now_ms()
         self._busy_ms += ms
+        self._prefill_ms += ms
         self.prefills_done += 1
         if job.tokens > 0 and ms > 0:
             self._prefill_rate.append((job.tokens, ms))
@@ -394,11 +396,12 @@ class EmulatedEngine:
         the time)."""
         spec = self.spec
         now = self.time.now_ms()
-        mark_t, mark_busy = self._busy_mark
+        mark_t, mark_busy, mark_prefill = self._busy_mark
         window = now - mark_t
         util = min(1.0, (self._busy_ms - mark_busy) / window) if window > 0 else 0.0
+        prefill_busy = min(1.0, (self._prefill_ms - mark_prefill) / window) if window > 0 else 0.0
         if window > 500.0:
-            self._busy_mark = (now, self._busy_ms)
+            self._busy_mark = (now, self._busy_ms, self._prefill_ms)
         blocks_total = max(1, spec.kv_capacity_tokens // spec.block_size_tokens)
         used = self.used_tokens + self.ballast_tokens
         free_blocks = max(0, (spec.kv_capacity_tokens - used) // spec.block_size_tokens)
@@ -420,4 +423,5 @@ class EmulatedEngine:
             itl_p50_ms=percentile(steps, 50) if steps else 0.0,
             itl_p99_ms=percentile(steps, 99) if steps else 0.0,
             prefill_tokens_per_s=tps,
+            prefill_busy=prefill_busy,
         )

@@ -45,7 +45,8 @@ prefill iteration interleaved on its worker shows up as a long gap (Mooncake's T
 
 Load reports (what the policy sees): queue depth (admission + prefill queues), running
 prefills, batch size, ITL p50/p99 of the last 32 steps, free KV, GPU utilisation (busy
-fraction, exponentially weighted over ``util_tau_s``) and memory utilisation.
+fraction, exponentially weighted over ``util_tau_s``), the prefill busy share (the part of
+that time spent in prefill iterations, weighted the same way) and memory utilisation.
 ``report_interval_s = 0`` gives every decision a fresh report of every worker (a Fleet is
 built per decision: O(workers), measured cheap for tens of workers); a positive interval
 publishes reports at those ticks only, builds the Fleet once per tick and counts the
@@ -230,6 +231,22 @@ class Simulator:
             w.busy_total += now - w.busy_since
         w.active = active
 
+    def _pduty(self, w: SimWorker, now: float) -> float:
+        """Share of recent time spent in prefill iterations (the report's ``prefill_busy``),
+        exponentially weighted with time constant ``util_tau_s`` as ``_util`` is."""
+        tau = self.config.util_tau_s
+        decay = math.exp(-(now - w.pduty_t) / tau) if now > w.pduty_t else 1.0
+        target = 1.0 if w.in_prefill else 0.0
+        return target + (w.pduty - target) * decay
+
+    def _set_prefill(self, w: SimWorker, on: bool, now: float) -> None:
+        """Prefill-share bookkeeping, updated when the worker starts or stops prefilling."""
+        if w.in_prefill == on:
+            return
+        w.pduty = self._pduty(w, now)
+        w.pduty_t = now
+        w.in_prefill = on
+
     def view_of(self, w: SimWorker, now: float) -> WorkerView:
         """The worker as the scheduler would see it now (capability + fresh load report)."""
         v = w.view
@@ -254,6 +271,7 @@ class Simulator:
             kv_blocks_free=(w.kv_cap - w.kv_used) // v.kv_format.block_size_tokens,
             kv_blocks_total=blocks_total,
             gpu_util=self._util(w, now),
+            prefill_busy=self._pduty(w, now),
             memory_util=w.kv_used / w.kv_cap if w.kv_cap else 1.0,
         )
         return WorkerView(
@@ -453,6 +471,7 @@ class Simulator:
             w.iter_payload = i
             w.busy = True
             self._set_active(w, True, now)
+            self._set_prefill(w, True, now)
             self._push(now + dur * 1e-3, _ITER, w.idx, i)
             return
         if w.joiners:
@@ -475,9 +494,11 @@ class Simulator:
             w.step_start = now
             w.busy = True
             self._set_active(w, True, now)
+            self._set_prefill(w, False, now)
             self._push(now + dur * 1e-3, _ITER, w.idx, -1)
             return
         self._set_active(w, False, now)
+        self._set_prefill(w, False, now)
 
     def _iter_done(self, w: SimWorker, now: float) -> None:
         w.busy = False

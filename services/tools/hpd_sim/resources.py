@@ -58,6 +58,7 @@ class SimWorker:
         "finish_heap",
         "gpu",
         "idx",
+        "in_prefill",
         "iter_kind",
         "iter_payload",
         "itl",
@@ -65,6 +66,8 @@ class SimWorker:
         "kv_cap",
         "kv_used",
         "max_batch",
+        "pduty",
+        "pduty_t",
         "pending_kv",
         "pending_reqs",
         "prefill_q",
@@ -108,3 +111,6 @@ class SimWorker:
         self.busy_total = 0.0
         self.util = 0.0
         self.util_t = 0.0
+        self.in_prefill = False
+        self.pduty = 0.0
+        self.pduty_t = 0.0

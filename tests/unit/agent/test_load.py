@@ -167,6 +167,31 @@ def test_prefill_throughput_is_computed_tokens_over_prefill_seconds() -> None:
     assert report.prefill_tokens_per_s == pytest.approx(2000.0)
 
 
+def test_prefill_busy_is_prefill_seconds_over_wall_seconds() -> None:
+    t = tracker()
+    first = t.update(sample(prefill_time_s=2.0), NOW)
+    assert first.prefill_busy == 0.0  # no earlier scrape to measure against
+    report = t.update(sample(prefill_time_s=2.5), NOW + 2000)
+    # 0.5 s of prefill in 2 s
+    assert report.prefill_busy == pytest.approx(0.25)
+
+
+def test_prefill_busy_is_capped_at_one_and_falls_to_zero_when_idle() -> None:
+    t = tracker()
+    t.update(sample(prefill_time_s=1.0), NOW)
+    # four requests prefilled in the same second each count their phase: capped
+    assert t.update(sample(prefill_time_s=5.0), NOW + 1000).prefill_busy == 1.0
+    # nothing prefilled since: not the last value, 0
+    assert t.update(sample(prefill_time_s=5.0), NOW + 2000).prefill_busy == 0.0
+
+
+def test_prefill_busy_restarts_after_a_counter_reset() -> None:
+    t = tracker()
+    t.update(sample(prefill_time_s=9.0), NOW)
+    assert t.update(sample(prefill_time_s=0.5), NOW + 1000).prefill_busy == 0.0
+    assert t.update(sample(prefill_time_s=0.8), NOW + 2000).prefill_busy == pytest.approx(0.3)
+
+
 def test_itl_percentiles_come_from_the_histogram_delta() -> None:
     t = tracker()
     t.update(sample(itl_buckets=ZERO), NOW)
@@ -192,6 +217,8 @@ def test_rates_from_the_recorded_idle_then_decode_scrapes() -> None:
     report = t.update(adapter.sample(read("vllm", "metrics_decode.txt")), NOW + 1000)
     assert report.prefix_cache_hit_rate == pytest.approx(256 / 722)
     assert report.prefill_tokens_per_s == pytest.approx(105 / 0.1054722449999872)
+    # the same 0.105 s of prefill in the second between the scrapes
+    assert report.prefill_busy == pytest.approx(0.1054722449999872)
     # 14 inter-token gaps: 0 <= 10 ms, 11 <= 25 ms, 14 <= 50 ms.
     # p50: rank 7 in (10, 25] ms holding 11: 10 + 15 x 7 / 11
     # p99: rank 13.86 in (25, 50] ms holding 3: 25 + 25 x (13.86 - 11) / 3

@@ -50,6 +50,7 @@ def worker(
     batch: int = 0,
     itl_p50_ms: float = 0.0,
     prefill_tps: float = 0.0,
+    prefill_busy: float = 0.0,
     reported_at: float | None = NOW,
     health: Health = Health.HEALTHY,
     zone: str = "z1",
@@ -69,6 +70,7 @@ def worker(
             batch_size=batch,
             itl_p50_ms=itl_p50_ms,
             prefill_tokens_per_s=prefill_tps,
+            prefill_busy=prefill_busy,
         )
     spec_extra = {k: extra.pop(k) for k in list(extra) if k in WorkerSpec.__dataclass_fields__}
     if "labels" in spec_extra:

@@ -146,6 +146,8 @@ BAD_LOADS = [
     pytest.param({"itl_p50_ms": 50.0, "itl_p99_ms": 40.0}, "load.itl_p50_ms", id="p50-over-p99"),
     pytest.param({"itl_trend_ms_per_s": math.nan}, "load.itl_trend_ms_per_s", id="trend-nan"),
     pytest.param({"prefill_tokens_per_s": -5.0}, "load.prefill_tokens_per_s", id="tps-negative"),
+    pytest.param({"prefill_busy": 1.5}, "load.prefill_busy", id="prefill-busy-over-1"),
+    pytest.param({"prefill_busy": math.nan}, "load.prefill_busy", id="prefill-busy-nan"),
     pytest.param({"reported_at_ms": NOW + 120_000}, "load.reported_at_unix_ms", id="future"),
     pytest.param({"reported_at_ms": NOW - 7_200_000}, "load.reported_at_unix_ms", id="ancient"),
 ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from typing import Any
 
 from hypothesis import given
 from hypothesis import strategies as st
@@ -59,3 +60,35 @@ def test_binary_written_before_the_prefix_cache_field_still_reads() -> None:
     values = [getattr(old, f.name) for f in dataclasses.fields(LoadReport)][:13]
     raw = b"\x00\x01" + struct.pack("<" + "d" * 4 + "q" * 4 + "d" * 4 + "q", *values)
     assert decode_load(raw) == old
+
+
+def test_binary_written_before_the_prefill_busy_field_still_reads() -> None:
+    import struct
+
+    old = LoadReport(
+        gpu_util=0.5, queue_depth=3, batch_size=7, reported_at_ms=11, prefix_cache_hit_rate=0.25
+    )
+    values = [getattr(old, f.name) for f in dataclasses.fields(LoadReport)][:14]
+    raw = b"\x00\x02" + struct.pack("<" + "d" * 4 + "q" * 4 + "d" * 4 + "q" + "d", *values)
+    back = decode_load(raw)
+    assert back == old
+    assert back.prefix_cache_hit_rate == 0.25 and back.prefill_busy == 0.0
+
+
+def test_the_current_binary_form_carries_prefill_busy() -> None:
+    load = LoadReport(prefill_busy=0.375, reported_at_ms=5)
+    raw = encode_load(load)
+    assert raw[:2] == b"\x00\x03"
+    assert decode_load(raw).prefill_busy == 0.375
+
+
+def test_every_field_crosses_the_wire() -> None:
+    """load_to_pb / load_from_pb carry every field: one left out would reach the planner as
+    0 ("not reported") from every agent."""
+    from hpd_registry import convert
+
+    values: dict[str, Any] = {}
+    for i, f in enumerate(dataclasses.fields(LoadReport), start=1):
+        values[f.name] = i / 64 if f.type == "float" else i
+    load = LoadReport(**values)
+    assert convert.load_from_pb(convert.load_to_pb(load)) == load

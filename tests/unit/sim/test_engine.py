@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Any
 
@@ -207,3 +208,23 @@ def test_kv_memory_fills_and_frees_and_the_policy_sees_it() -> None:
     assert not first.rejected and not third.rejected
     assert second.rejected and second.reject_reason == "no_executable_pool"
     assert third.first_s > first.finish_s
+
+
+def test_the_load_report_carries_the_share_of_time_spent_prefilling() -> None:
+    """One request: the prefill worker prefills from its arrival for ``prefill_s``, then
+    idles; the decode worker only decodes. Each report's ``prefill_busy`` is that share,
+    exponentially weighted over ``util_tau_s`` as ``gpu_util`` is."""
+    from hpd_sim import Simulator
+
+    prompt, arrival = 8000, 2.0
+    sim = Simulator(_cluster(), builtin_profile("default"), [TraceRequest(arrival, prompt, 5)])
+    sim.run()
+    prefill, decode = sim.workers
+    prefill_s = perfmodel.prefill_ms(MODEL, gpu_profile("H100-SXM"), 1, prompt) * 1e-3
+    assert 0.1 < prefill_s < 1.0
+    busy_at_end = 1.0 - math.exp(-prefill_s / 1.0)
+    end = arrival + prefill_s
+    assert sim.view_of(prefill, end).load.prefill_busy == pytest.approx(busy_at_end)  # type: ignore[union-attr]
+    later = sim.view_of(prefill, end + 2.0).load
+    assert later is not None and later.prefill_busy == pytest.approx(busy_at_end * math.exp(-2.0))
+    assert sim.view_of(decode, end + 2.0).load.prefill_busy == 0.0  # type: ignore[union-attr]

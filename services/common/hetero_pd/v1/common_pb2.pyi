@@ -158,7 +158,7 @@ class WorkerCapability(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., pool_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[Stage, str]]] = ..., model_id: _Optional[str] = ..., model_revision: _Optional[str] = ..., engine: _Optional[str] = ..., engine_version: _Optional[str] = ..., gpu_type: _Optional[str] = ..., gpu_count: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., peak_tflops: _Optional[float] = ..., hbm_gbps: _Optional[float] = ..., kv_memory_total_bytes: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., kv_format: _Optional[_Union[KvFormat, _Mapping]] = ..., network: _Optional[_Union[NetworkLocation, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("gpu_util", "memory_util", "kv_blocks_free", "kv_blocks_total", "queue_depth", "queue_max", "running_prefills", "batch_size", "itl_p50_ms", "itl_p99_ms", "itl_trend_ms_per_s", "prefill_tokens_per_s", "reported_at_unix_ms", "prefix_cache_hit_rate")
+    __slots__ = ("gpu_util", "memory_util", "kv_blocks_free", "kv_blocks_total", "queue_depth", "queue_max", "running_prefills", "batch_size", "itl_p50_ms", "itl_p99_ms", "itl_trend_ms_per_s", "prefill_tokens_per_s", "reported_at_unix_ms", "prefix_cache_hit_rate", "prefill_busy")
     GPU_UTIL_FIELD_NUMBER: _ClassVar[int]
     MEMORY_UTIL_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +173,7 @@ class LoadReport(_message.Message):
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     REPORTED_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_BUSY_FIELD_NUMBER: _ClassVar[int]
     gpu_util: float
     memory_util: float
     kv_blocks_free: int
@@ -187,7 +188,8 @@ class LoadReport(_message.Message):
     prefill_tokens_per_s: float
     reported_at_unix_ms: int
     prefix_cache_hit_rate: float
-    def __init__(self, gpu_util: _Optional[float] = ..., memory_util: _Optional[float] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., queue_depth: _Optional[int] = ..., queue_max: _Optional[int] = ..., running_prefills: _Optional[int] = ..., batch_size: _Optional[int] = ..., itl_p50_ms: _Optional[float] = ..., itl_p99_ms: _Optional[float] = ..., itl_trend_ms_per_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., reported_at_unix_ms: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ...) -> None: ...
+    prefill_busy: float
+    def __init__(self, gpu_util: _Optional[float] = ..., memory_util: _Optional[float] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., queue_depth: _Optional[int] = ..., queue_max: _Optional[int] = ..., running_prefills: _Optional[int] = ..., batch_size: _Optional[int] = ..., itl_p50_ms: _Optional[float] = ..., itl_p99_ms: _Optional[float] = ..., itl_trend_ms_per_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., reported_at_unix_ms: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., prefill_busy: _Optional[float] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
     __slots__ = ("health", "health_reason", "draining", "cordoned", "registered_at_unix_ms", "last_heartbeat_unix_ms", "lease_expires_at_unix_ms", "lease_ttl_ms")
