@@ -95,10 +95,13 @@ async def test_slow_link_switches_the_pair_to_recompute(
     )  # fmt: skip
     records = sorted(res.route, key=lambda r: r.request_id)
     # with the link cut the two decode workers prefill everything themselves and the fleet
-    # runs past capacity: admission refuses what would miss its TTFT target; the plans are
-    # the rest
+    # runs past capacity: admission refuses what would miss its TTFT or TPOT target; the
+    # plans are the rest
     refused = [r for r in records if r.decision == s.ROUTE_DECISION_REJECT]
-    assert {reason for r in refused for reason in r.reject_reasons} <= {"ttft_over_admission_limit"}
+    assert {reason for r in refused for reason in r.reject_reasons} <= {
+        "ttft_over_admission_limit",
+        "tpot_over_admission_limit",
+    }
     planned = [r for r in records if r.decision != s.ROUTE_DECISION_REJECT]
     # before the cut (planned within CUT_AT_S wall seconds of the first plan) against the
     # last quarter, long after it: a count-based first quarter would straddle the cut

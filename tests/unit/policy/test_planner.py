@@ -230,7 +230,9 @@ def test_transfers_go_only_the_way_the_connectors_move_kv(
 def test_layout_conversion_is_costed() -> None:
     views = [
         worker("p", Stage.PREFILL, rack="r1", layout=KvLayout.PAGED_HND),
-        worker("d", rack="r1", gpu="L4"),
+        # KV memory empty: with the builder's 10 GiB of other sequences resident an L4's
+        # step is past the standard TPOT target and the TPOT admission refuses the request
+        worker("d", rack="r1", gpu="L4", kv_free_gib=40.0),
     ]
     decision, _ = plan(views, request(prompt=4000))
     assert decision.plan is not None and decision.plan.mode is Mode.TRANSFER

@@ -130,8 +130,10 @@ def test_decisions_are_safe_and_deterministic(views: list, req, name: str, seed:
             if fleet.index(MODEL, Role.DECODE) is not None
             else []
         )
-        # (or the tier's TTFT limits refused it: hard, or admission past capacity)
-        if not {"exceeds_hard_ttft", "ttft_over_admission_limit"} & set(a.reject_reasons):
+        # (or the tier's limits refused it: hard TTFT, or admission past capacity by TTFT or
+        # TPOT)
+        past = {"exceeds_hard_ttft", "ttft_over_admission_limit", "tpot_over_admission_limit"}
+        if not past & set(a.reject_reasons):
             assert executable == []
 
 
@@ -166,10 +168,12 @@ def test_kv_incompatibility_alone_never_drops_a_worker(views: list, req) -> None
     other = Planner(PROFILES["default"]).plan(req, Fleet.build(flipped, NOW), NOW, random.Random(0))
     if base.kind is not DecisionKind.REJECT:
         # same health, memory (fp8 only lowers the need), queues and pressure: only the
-        # tier's TTFT limits (hard, admission) may now refuse, when recomputing is too slow
+        # tier's limits (hard TTFT, admission by TTFT or TPOT) may now refuse, when
+        # recomputing is too slow or its stall too long for the running batch
         assert other.kind is not DecisionKind.REJECT or other.reject_reasons in (
             ("exceeds_hard_ttft",),
             ("ttft_over_admission_limit",),
+            ("tpot_over_admission_limit",),
         )
     if other.plan is not None and other.plan.mode is Mode.TRANSFER:
         p = {v.worker_id: v for v in flipped}[other.plan.prefill_worker_id]

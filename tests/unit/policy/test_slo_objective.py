@@ -140,7 +140,7 @@ def _default_text() -> str:
 
 def test_default_profile_carries_the_objective_and_baselines_do_not() -> None:
     assert DEFAULT.slo_objective == SloObjective(
-        0.7, 0.9, 0.5, conditional=True, admit_ttft_factor=1.0
+        0.7, 0.9, 0.5, conditional=True, admit_ttft_factor=1.0, admit_tpot_factor=1.0
     )
     for name in builtin_profile_names():
         if name != "default":
@@ -248,7 +248,10 @@ def test_a_slow_link_flips_a_long_prompt_to_colocated(gbps: float, mode: Mode) -
     links = LinkModel(pool_overrides={("pp", "both"): Link(gbps=gbps, latency_ms=2.0)})
     views = [
         worker("p", Stage.PREFILL, gpu="H100-SXM", pool="pp"),
-        worker("b", Stage.BOTH, gpu="L4", pool="both"),
+        # idle, its KV memory empty: the 12,000-token context alone steps within the
+        # standard TPOT target on an L4 (with the builder's 10 GiB of other sequences'
+        # KV resident it would not, and the TPOT admission would refuse the request)
+        worker("b", Stage.BOTH, gpu="L4", pool="both", kv_free_gib=40.0),
     ]
     fleet = Fleet.build(views, NOW, links=links)
     d = Planner(DEFAULT).plan(request(12000, 200), fleet, NOW, random.Random(0))
@@ -318,3 +321,102 @@ def test_a_prefill_on_a_worker_that_also_decodes_counts_the_stall_on_its_batch()
     assert on_b.ttft_ms < via_p.ttft_ms
     assert on_b.score <= 2 / 3 < via_p.score
     assert opts[(Mode.SAME_POOL, "b", "b")].score <= 2 / 3  # the local rule, the same way
+
+
+def test_an_engine_busy_prefilling_stretches_its_tpot_estimate() -> None:
+    """A running sequence waits through the prefills between its decode steps: with the
+    engine prefilling half its time a step is seen twice as long; a report claiming all of
+    it counts as 0.9 (the estimate stays finite), and an old report counts for less."""
+    for busy, stretch in ((0.0, 1.0), (0.5, 2.0), (1.0, 10.0)):
+        ws = _state(prefill_busy=busy)
+        assert ws.tpot_ms(20.0) == pytest.approx(20.0 * stretch)  # type: ignore[attr-defined]
+    stale = _state(prefill_busy=0.5, reported_at=NOW - 600.0)
+    assert 20.0 <= stale.tpot_ms(20.0) < 40.0  # type: ignore[attr-defined]
+
+
+def _decoders(busy_a: float) -> list[WorkerView]:
+    return [
+        worker("p", Stage.PREFILL, gpu="H100-SXM", rack="r1"),
+        worker("a", Stage.DECODE, gpu="A100-80G", batch=40, prefill_busy=busy_a),
+        worker("b", Stage.DECODE, gpu="A100-80G", batch=40),
+    ]
+
+
+def test_a_decode_worker_held_up_by_prefills_loses_to_one_that_is_not() -> None:
+    """Two equal decode workers; ``a``'s engine reports it spends most of its time
+    prefilling (the recomputes sent to it), which stretches its sequences' TPOT past the
+    target although its bare step is within it: ``b`` decodes. Without the report ``a``,
+    first in the snapshot, is chosen."""
+    req = request(1000, 200, "interactive")
+    limit = 0.9 * DEFAULT.tier("interactive").tpot_ms
+    busy = _plan(_decoders(0.8), req)
+    assert busy.plan is not None and busy.plan.decode_worker_id == "b"
+    on_a = [o for o in busy.record.options if o.d.ws.worker_id == "a"]
+    assert on_a and all(o.d.step_ms <= limit < o.tpot_ms for o in on_a)
+    # the transfer's is the stretched step; a local prefill's adds its stall on the batch
+    stretched = {o.mode: o.tpot_ms / (o.d.step_ms / (1 - 0.8)) for o in on_a}
+    assert stretched[Mode.TRANSFER] == pytest.approx(1.0)
+    assert stretched[Mode.RECOMPUTE] > 1.0
+    idle = _plan(_decoders(0.0), req)
+    assert idle.plan is not None and idle.plan.decode_worker_id == "a"
+    assert busy.plan.estimates.tpot_ms == pytest.approx(idle.plan.estimates.tpot_ms)
+
+
+def _held_up(busy: float) -> list[WorkerView]:
+    return [
+        worker("p", Stage.PREFILL, gpu="H100-SXM", rack="r1"),
+        worker("d", Stage.DECODE, gpu="L40S", batch=60, prefill_busy=busy),
+    ]
+
+
+def test_tpot_admission_refuses_when_every_decode_worker_would_miss_tpot() -> None:
+    """The only decode worker's sequences are predicted past the TPOT target with the
+    prefills its engine is running: past capacity for this tier by TPOT, the request is
+    refused (a transfer's TTFT is within its target, so the TTFT admission lets it in). With
+    the engine idle, or with ``admit_tpot_factor`` 0, it is planned."""
+    req = request(1000, 200, "interactive")
+    tier = DEFAULT.tier("interactive")
+    refused = _plan(_held_up(0.8), req)
+    assert refused.plan is None, refused
+    assert refused.reject_reasons == ("tpot_over_admission_limit",)
+    assert min(o.tpot_ms for o in refused.record.options) > tier.tpot_ms
+    assert min(o.ttft_ms for o in refused.record.options) <= tier.ttft_ms
+    assert any("admission_tpot" in n for n in refused.record.notes)
+    assert _plan(_held_up(0.0), req).plan is not None
+    doc = yaml.safe_load(_default_text())
+    doc["slo_objective"]["admit_tpot_factor"] = 0
+    assert _plan(_held_up(0.8), req, parse_profile(doc)).plan is not None
+
+
+@pytest.mark.parametrize("factor", [0.5, -1, "x"])
+def test_admit_tpot_factor_is_off_or_at_least_one(factor: object) -> None:
+    doc = yaml.safe_load(_default_text())
+    doc["slo_objective"]["admit_tpot_factor"] = factor
+    with pytest.raises(ConfigError) as info:
+        parse_profile(doc)
+    assert "slo_objective.admit_tpot_factor" in str(info.value)
+
+
+def _l4_alone(busy: float) -> list[WorkerView]:
+    return [
+        worker("p", Stage.PREFILL, gpu="H100-SXM", rack="r1"),
+        worker("l4", Stage.DECODE, gpu="L4", kv_free_gib=40.0, prefill_busy=busy),
+    ]
+
+
+def test_a_worker_too_slow_for_the_target_alone_serves_while_lightly_loaded() -> None:
+    """An L4's step misses the interactive 50 ms target even with only this request on it:
+    no load is to blame, so the TPOT admission does not refuse it while its load at most
+    doubles that step (an idle fleet would otherwise turn the request away for good); once
+    its prefills stretch the step further, it is past capacity and refused."""
+    from hpd_scheduler.policy.planner import solo_step_ms
+
+    req = request(1000, 200, "interactive")
+    tier = DEFAULT.tier("interactive")
+    idle = _plan(_l4_alone(0.0), req)
+    assert idle.plan is not None, idle
+    o = idle.record.options[0]
+    assert solo_step_ms(o, req) > tier.tpot_ms and o.tpot_ms <= 2 * solo_step_ms(o, req)
+    busy = _plan(_l4_alone(0.7), req)
+    assert busy.plan is None and busy.reject_reasons == ("tpot_over_admission_limit",)
+    assert all(o.tpot_ms > 2 * solo_step_ms(o, req) for o in busy.record.options)

@@ -113,6 +113,11 @@ class SloObjective:
     ``ttft_over_admission_limit``) when no option has ``ttft_est <= a x tier.ttft_ms``, except
     an option whose own work (prefill, hand-off) is at least half its estimate, i.e. a prompt
     too long for the target that waits no longer than it works.
+    ``admit_tpot_factor`` ``b`` (0: off): likewise refuse (SATURATED,
+    ``tpot_over_admission_limit``) when no option left has ``tpot_est <= b x tier.tpot_ms``.
+    The TPOT estimate sees the decode step stretched by the engine's reported prefill share
+    (``WorkerState.tpot_ms``), so a worker whose batch is held up by the prefills routed to
+    it stops taking more once its sequences would miss their target.
     Absent (the seed and the baselines): options are ranked by the weighted score alone."""
 
     ttft_fraction: float = 1.0
@@ -120,6 +125,7 @@ class SloObjective:
     slack_weight: float = 0.0
     conditional: bool = False
     admit_ttft_factor: float = 0.0
+    admit_tpot_factor: float = 0.0
 
 
 @dataclass(frozen=True)

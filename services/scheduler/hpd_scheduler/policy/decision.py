@@ -52,7 +52,9 @@ class Estimates:
     ``kv_bytes``: bytes crossing the link (TRANSFER) or built on the decode worker;
     ``transfer_ms``: link time incl. latency and conversion (None unless TRANSFER);
     ``recompute_ms``: the decode worker's own prefill time for the prompt;
-    ``ttft_ms``: prefill wait + prefill + hand-off; ``tpot_ms``: predicted decode step.
+    ``ttft_ms``: prefill wait + prefill + hand-off; ``tpot_ms``: predicted decode step (with
+    the SLO objective, its TPOT estimate: the step as the engine's prefills stretch it,
+    and a local prefill's stall on the batch it joins).
     """
 
     kv_bytes: int

@@ -171,6 +171,9 @@ class Option:
 
     For RECOMPUTE and SAME_POOL the prefill candidate is the decode worker itself.
     ``ttft_ms`` = prefill wait + prefill time (+ transfer and conversion for TRANSFER).
+    ``tpot_ms``: the TPOT estimate the SLO objective judges the option by (0 without one):
+    the decode worker's, or, when the option's prefill stalls a running batch and that is
+    worse, the batch's.
     """
 
     __slots__ = (
@@ -182,6 +185,7 @@ class Option:
         "p",
         "recompute_ms",
         "score",
+        "tpot_ms",
         "transfer_ms",
         "ttft_ms",
     )
@@ -204,6 +208,8 @@ class Option:
         self.recompute_ms = recompute_ms
         self.conversion_ms = conversion_ms
         self.ttft_ms = ttft_ms
+        # the SLO objective's TPOT estimate (pairing._apply_slo); 0 when not estimated
+        self.tpot_ms = 0.0
         self.kv_reasons = kv_reasons
         # joint options keep their factors on their candidates; only the independent pairing
         # gives an option its own dict (by assignment): share one empty dict until then

@@ -196,7 +196,9 @@ def _apply_slo(
     slo: SloObjective,
 ) -> None:
     """The SLO objective (``config.SloObjective``) on the options ``options[first:]``, which
-    all decode on ``d``: add the decode admission wait to each TTFT estimate, then
+    all decode on ``d``: add the decode admission wait to each TTFT estimate, set each TPOT
+    estimate (``Option.tpot_ms``: ``d``'s step as its prefills stretch it,
+    ``WorkerState.tpot_ms``, and a local prefill's stall), then
     ``score = ((1 - s) score + s T / (T + ttft) + targets kept) / 3``.
 
     The admission wait overlaps the prefill for a transfer (the decode worker frees slots
@@ -209,12 +211,14 @@ def _apply_slo(
     target = tier.ttft_ms
     ttft_limit = target * slo.ttft_fraction
     tpot_limit = tier.tpot_ms * slo.tpot_fraction
-    tpot_ok = 1.0 if d.step_ms <= tpot_limit else 0.0
+    tpot = d.ws.tpot_ms(d.step_ms)
+    tpot_ok = 1.0 if tpot <= tpot_limit else 0.0
     steps = float(max(req.expected_output_tokens, 1))
     s = slo.slack_weight
     for i in range(first, len(options)):
         o = options[i]
         kept_tpot = tpot_ok
+        o.tpot_ms = tpot
         pws = o.p.ws
         if slo.conditional and pws.batch and (pws is d.ws or pws.view.stage is Stage.BOTH):
             # a prefill on a worker that is decoding (a local prefill, or a transfer's on a
@@ -225,8 +229,10 @@ def _apply_slo(
             # their TPOT past the target does not keep it. (The prefill queued on the decode
             # side was tried as a stall on a transfer too: on the suite it cost the
             # slow-link cells up to 27 % of goodput and was left out.)
-            step = d.step_ms if pws is d.ws else pws.step_ms()
-            if step + (o.p.wait_ms + o.p.run_ms) / steps > tpot_limit:
+            step = tpot if pws is d.ws else pws.tpot_ms(pws.step_ms())
+            stalled = step + (o.p.wait_ms + o.p.run_ms) / steps
+            o.tpot_ms = max(tpot, stalled)
+            if stalled > tpot_limit:
                 kept_tpot = 0.0
         if admit > 0:
             if o.mode is Mode.TRANSFER:

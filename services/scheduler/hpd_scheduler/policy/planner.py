@@ -33,7 +33,9 @@ Stages of :meth:`Planner.plan`:
 
 6. drop options above the tier's hard TTFT limit; with the SLO objective's
    ``admit_ttft_factor``, refuse the request when every option is predicted past that
-   multiple of the tier's TTFT target (admission past capacity); rank the rest with the
+   multiple of the tier's TTFT target (admission past capacity), and with its
+   ``admit_tpot_factor`` when every option left is predicted past that multiple of the TPOT
+   target (an option with no TPOT estimate passes); rank the rest with the
    picker; apply the ladder: throttle (refuse tiers that may be throttled, with a retry
    delay), lower the batch cap (recorded; the service turns it into max-batch-size
    directives with ``balance.adapt_batch_size``), fall back to a shared pool (SAME_POOL
@@ -258,8 +260,8 @@ class Planner:
         tier: Tier,
         record: DecisionRecord,
     ) -> list[Option] | Decision:
-        """The options within the TTFT limits (the tier's hard one, then admission past
-        capacity), or the refusal when none is."""
+        """The options within the limits (the tier's hard TTFT, then admission past
+        capacity by TTFT and by TPOT), or the refusal when none is."""
         prof = self.profile
         limits: list[tuple[str, str, float, Callable[[Option], bool]]] = []
         hard = tier.hard_ttft_ms
@@ -281,10 +283,35 @@ class Planner:
                     lambda o: o.ttft_ms <= limit or o.ttft_ms <= 2.0 * own_ms(o),
                 )
             )
+        if slo is not None and slo.admit_tpot_factor > 0:
+            # the same past capacity for TPOT: every option left would decode on a worker
+            # whose batch, with the prefills it is taking, runs past the tier's TPOT target
+            tpot_limit = tier.tpot_ms * slo.admit_tpot_factor
+            limits.append(
+                (
+                    "tpot_admission",
+                    "tpot_over_admission_limit",
+                    tpot_limit,
+                    lambda o: o.tpot_ms <= tpot_limit,
+                )
+            )
         for kind_of, reason, bound, keep in limits:
             ok = [o for o in options if keep(o)]
+            if not ok and kind_of == "tpot_admission":
+                # no option within the TPOT limit. A worker too slow for the limit even
+                # decoding this request alone still serves it while its load no more than
+                # doubles that step (as a prompt too long for the TTFT target is served
+                # above): that is not the fleet past capacity, and refusing would turn the
+                # request away from an idle fleet. Only then, and only such workers: kept
+                # while some option is within the limit, or extended to workers that could
+                # meet it alone, they took requests that then missed (bench/README.md,
+                # 2026-12-06)
+                ok = [o for o in options if _too_slow_alone(o, request, bound)]
             if not ok:
-                record.notes.append(f"all_options_exceed_{kind_of}_ttft_ms:{bound:g}")
+                if kind_of == "tpot_admission":
+                    record.notes.append(f"all_options_exceed_admission_tpot_ms:{bound:g}")
+                else:
+                    record.notes.append(f"all_options_exceed_{kind_of}_ttft_ms:{bound:g}")
                 retry = self._retry_ms(tier)
                 if kind_of == "admission":
                     retry = _admission_retry_ms(min(o.ttft_ms for o in options), bound, retry)
@@ -429,6 +456,22 @@ def _admission_retry_ms(best_ttft_ms: float, limit_ms: float, most_ms: float) ->
     close to the limit its request was: three such refusals cut a real-engine benchmark's
     throughput at 8 in flight to 0.36 of the peer's (bench/README.md, gateway.py)."""
     return min(most_ms, max(ADMISSION_RETRY_FLOOR_MS, best_ttft_ms - limit_ms))
+
+
+def solo_step_ms(o: Option, request: Request) -> float:
+    """The decode step of ``o``'s decode worker with only this request running (its prompt
+    and half its output resident; the same figures as ``Candidate.step_ms``)."""
+    ws = o.d.ws
+    cap = ws.cap
+    own = request.prompt_tokens + request.expected_output_tokens * 0.5
+    return (cap.weights_ms + own * cap.kv_ms_per_token) * ws.m_d
+
+
+def _too_slow_alone(o: Option, request: Request, limit_ms: float) -> bool:
+    """``o``'s decode worker misses ``limit_ms`` even decoding this request alone, and its
+    load no more than doubles that step (the TPOT admission's exception)."""
+    solo = solo_step_ms(o, request)
+    return solo > limit_ms and o.tpot_ms <= 2.0 * solo
 
 
 def apply_reservations(fleet: Fleet, decision: Decision) -> None:

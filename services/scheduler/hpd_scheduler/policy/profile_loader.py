@@ -302,7 +302,14 @@ def _tiers(raw: Any, p: str) -> tuple[dict[str, Tier], str]:
 
 
 _SLO_KEYS = frozenset(
-    {"ttft_fraction", "tpot_fraction", "slack_weight", "conditional", "admit_ttft_factor"}
+    {
+        "ttft_fraction",
+        "tpot_fraction",
+        "slack_weight",
+        "conditional",
+        "admit_ttft_factor",
+        "admit_tpot_factor",
+    }
 )
 
 
@@ -320,7 +327,7 @@ def _slo_objective(raw: Any, p: str) -> SloObjective:
         f = _num(v, path)
         if k == "slack_weight":
             _req(0 <= f <= 1, path, "must be in [0, 1]")
-        elif k == "admit_ttft_factor":
+        elif k in ("admit_ttft_factor", "admit_tpot_factor"):
             _req(f == 0 or f >= 1, path, "must be 0 (off) or >= 1")
         else:
             _req(0 < f <= 4, path, "must be in (0, 4]")

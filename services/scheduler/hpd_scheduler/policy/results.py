@@ -34,7 +34,7 @@ def plan_of(o: Option, request: Request, need: ResourceNeed) -> RoutePlan:
             prefill_wait_ms=p.wait_ms,
             prefill_ms=p.run_ms,
             ttft_ms=o.ttft_ms,
-            tpot_ms=d.step_ms,
+            tpot_ms=o.tpot_ms or d.step_ms,
         ),
     )
 

@@ -18,6 +18,11 @@ _CLAMP_LO, _CLAMP_HI = 0.25, 4.0
 """How far a worker's own reported speed may correct its capacity model, either way."""
 
 
+_DUTY_MAX = 0.9
+"""The largest prefill busy share :meth:`WorkerState.tpot_ms` divides by (``1 - 0.9``: a
+step seen ten times longer already misses any TPOT target a tier sets)."""
+
+
 class WorkerState:
     """One worker inside a snapshot: its view, capacity, corrections and live reservations.
 
@@ -31,6 +36,7 @@ class WorkerState:
         "cap",
         "conf",
         "ctx_tokens",
+        "duty",
         "gpu_util",
         "held",
         "held_block_tokens",
@@ -79,6 +85,10 @@ class WorkerState:
         self.gpu_util: float = min(max(load.gpu_util, 0.0), 1.0) if load is not None else 0.0
         self.host: str = view.network.host
         self.conf = confidence(self.reported_at_s, now_s, staleness)
+        # the share of its recent time the engine spent prefilling, trusted as far as the
+        # report is fresh; at most _DUTY_MAX so that tpot_ms() stays finite
+        busy: float = load.prefill_busy if load is not None else 0.0
+        self.duty: float = min(max(busy, 0.0), _DUTY_MAX) * self.conf
         queue: int = load.queue_depth if load is not None else 0
         running: int = load.running_prefills if load is not None else 0
         self.queue: int = queue + view.pending_requests
@@ -167,6 +177,15 @@ class WorkerState:
             used = max(self.kv_total - self.kv_avail, 1)
             steps = max(steps, (kv_need - free) * seq_steps / used)
         return steps * self.step_ms() if steps > 0 else 0.0
+
+    def tpot_ms(self, step_ms: float) -> float:
+        """The time per output token a running sequence sees with decode steps of
+        ``step_ms``: prefills run between (or inside) the steps, so with the engine
+        prefilling a share ``duty`` of its time (its report's ``prefill_busy``) a step is
+        seen ``1 / (1 - duty)`` times as long. Without it the estimate was the bare step,
+        and a pool reachable only by recompute kept receiving prefills until every sequence
+        in its batch missed TPOT (bench/README.md, 2026-12-06)."""
+        return step_ms / (1.0 - self.duty)
 
     def step_ms(self, extra_context_tokens: float = 0.0) -> float:
         """Predicted decode step (ITL) in ms with ``extra_context_tokens`` more KV resident:
