@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hpd_scheduler.policy import builtin_profile
+from hpd_scheduler.policy import Profile, builtin_profile
 from hpd_sim import RequestOutcome, SimConfig, attainment, load_cluster, simulate
 from hpd_sim.goodput import fluid_bound
-from hpd_sim.suite import WORKLOADS, cluster_path, load_workload
+from hpd_sim.suite import WORKLOADS, Workload, cluster_path, load_workload
 from hpd_sim.traces import reshape
 
 DEFAULT = builtin_profile("default")
@@ -23,16 +23,23 @@ NO_TPOT_ADMISSION = replace(
 )
 
 
-def test_admission_keeps_admitted_requests_within_their_slo_at_three_times_the_bound() -> None:
-    cluster = load_cluster(cluster_path("homogeneous"))
-    w = next(x for x in WORKLOADS if x.name == "azure_conv")
+def _overloaded(
+    cluster_name: str, workload: str, times_bound: float, profile: Profile
+) -> tuple[list[RequestOutcome], Workload]:
+    """The outcomes of ``profile`` on a suite cell's first 1,500 requests at ``times_bound``
+    x the cluster's fluid bound."""
+    cluster = load_cluster(cluster_path(cluster_name))
+    w = next(x for x in WORKLOADS if x.name == workload)
     trace = load_workload(w, 1500)
     bound = fluid_bound(cluster, trace.requests, w.slo.tpot_ms).rps
-    overloaded = reshape(trace, rate_scale=3.0 * bound / trace.mean_rate)
+    overloaded = reshape(trace, rate_scale=times_bound * bound / trace.mean_rate)
     config = SimConfig(seed=0, tiers=((w.tier, 1.0),))
+    return simulate(cluster, profile, overloaded.requests, config).outcomes, w
 
-    with_admission = simulate(cluster, DEFAULT, overloaded.requests, config).outcomes
-    without = simulate(cluster, NO_ADMISSION, overloaded.requests, config).outcomes
+
+def test_admission_keeps_admitted_requests_within_their_slo_at_three_times_the_bound() -> None:
+    with_admission, w = _overloaded("homogeneous", "azure_conv", 3.0, DEFAULT)
+    without, _ = _overloaded("homogeneous", "azure_conv", 3.0, NO_ADMISSION)
 
     admitted = [o for o in with_admission if not o.rejected]
     refused = [o for o in with_admission if o.rejected]
@@ -54,15 +61,8 @@ def test_tpot_admission_keeps_recompute_only_pools_within_tpot_past_capacity() -
     sequences missed TPOT; the TPOT estimate sees the engines' reported prefill share and the
     TPOT admission refuses once no pool would keep the target, so more requests keep their
     SLO, of those admitted and of all."""
-    cluster = load_cluster(cluster_path("mixed_kv"))
-    w = next(x for x in WORKLOADS if x.name == "bursts")
-    trace = load_workload(w, 1500)
-    bound = fluid_bound(cluster, trace.requests, w.slo.tpot_ms).rps
-    overloaded = reshape(trace, rate_scale=2.0 * bound / trace.mean_rate)
-    config = SimConfig(seed=0, tiers=((w.tier, 1.0),))
-
-    with_tpot = simulate(cluster, DEFAULT, overloaded.requests, config).outcomes
-    ttft_only = simulate(cluster, NO_TPOT_ADMISSION, overloaded.requests, config).outcomes
+    with_tpot, w = _overloaded("mixed_kv", "bursts", 2.0, DEFAULT)
+    ttft_only, _ = _overloaded("mixed_kv", "bursts", 2.0, NO_TPOT_ADMISSION)
 
     def recomputed_missing_tpot(outcomes: list[RequestOutcome]) -> float:
         local = [o for o in outcomes if o.mode == "recompute"]
