@@ -302,10 +302,10 @@ class Planner:
                 # decoding this request alone still serves it while its load no more than
                 # doubles that step (as a prompt too long for the TTFT target is served
                 # above): that is not the fleet past capacity, and refusing would turn the
-                # request away from an idle fleet. Only then, and only such workers: kept
-                # while some option is within the limit, or extended to workers that could
-                # meet it alone, they took requests that then missed (bench/README.md,
-                # 2026-12-06)
+                # request away from an idle fleet. The exception applies only here and only
+                # to such workers: applied beside options within the limit, or to workers
+                # that could meet the limit alone, it let through requests that then missed
+                # (bench/README.md, 2026-12-06)
                 ok = [o for o in options if _too_slow_alone(o, request, bound)]
             if not ok:
                 if kind_of == "tpot_admission":

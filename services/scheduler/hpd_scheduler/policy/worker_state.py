@@ -19,8 +19,9 @@ _CLAMP_LO, _CLAMP_HI = 0.25, 4.0
 
 
 _DUTY_MAX = 0.9
-"""The largest prefill busy share :meth:`WorkerState.tpot_ms` divides by (``1 - 0.9``: a
-step seen ten times longer already misses any TPOT target a tier sets)."""
+"""The largest prefill busy share :meth:`WorkerState.tpot_ms` divides by: a report of 1
+(an engine that did nothing but prefill) counts as a step seen ten times as long, which keeps
+the estimate finite."""
 
 
 class WorkerState:
