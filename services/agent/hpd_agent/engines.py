@@ -208,6 +208,7 @@ class EngineSample:
     prefix_hits: float | None = None
     prefix_hit_rate: float | None = None  # engines that export a rate gauge, not counters
     prompt_tokens_computed: float | None = None
+    prompt_tokens_external: float | None = None  # KV received from another engine
     generation_tokens: float | None = None
     prefill_time_s: float | None = None
     itl_buckets: tuple[tuple[float, float], ...] = ()
@@ -339,6 +340,9 @@ class VllmAdapter:
             prefix_hits=_sum(s, "vllm:prefix_cache_hits_total"),
             prompt_tokens_computed=_sum(
                 s, "vllm:prompt_tokens_by_source_total", source="local_compute"
+            ),
+            prompt_tokens_external=_sum(
+                s, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
             ),
             generation_tokens=_sum(s, "vllm:generation_tokens_total"),
             prefill_time_s=_sum(s, "vllm:request_prefill_time_seconds_sum"),

@@ -9,13 +9,16 @@ KV usage. Rates come from the difference between the two latest scrapes:
 * prefill throughput = delta(prompt tokens the engine computed itself) / delta(seconds in
   the prefill phase), a per-request speed rather than the engine's load-dependent output;
 * prefill busy share = delta(seconds in the prefill phase) / delta(wall seconds), capped
-  at 1: how much of the time the engine's running batch was held up by prefills (the
-  scheduler's TPOT estimate divides the decode step by ``1 - share``). The engine sums the
-  phase per request, so prefills that share a step are each counted in full, and a chunked
-  prefill's phase includes the decode work in its steps: an upper bound under load, which
-  errs toward keeping decode batches within their TPOT. Unlike the rates, an
-  engine with no new prefills reports 0 (it is not prefilling), and so does one that exports
-  no prefill-phase time (SGLang);
+  at 1, times the share of the prompt tokens the engine computed itself among those it
+  computed or received from another engine (``local / (local + external KV)``): how much of
+  the time the engine's running batch was held up by prefills (the scheduler's TPOT
+  estimate divides the decode step by ``1 - share``). A decode engine's phase for a request
+  whose KV came by transfer is mostly the wait for that KV, which does not hold its batch
+  up; hence the second factor. The engine sums the phase per request, so prefills that
+  share a step are each counted in full, and a chunked prefill's phase includes the decode
+  work in its steps: an upper bound under load, which errs toward keeping decode batches
+  within their TPOT. Unlike the rates, an engine with no new prefills reports 0 (it is not
+  prefilling), and so does one that exports no prefill-phase time (SGLang);
 * ITL p50 / p99 from the delta of the inter-token latency histogram, interpolated linearly
   inside the bucket that holds the quantile (as PromQL's ``histogram_quantile`` does).
 
@@ -104,6 +107,9 @@ class LoadTracker:
                 self._prefill_tps = dn / dt
             if dt and now_ms > prev_ms:
                 prefill_busy = min(1.0, dt * 1000.0 / (now_ms - prev_ms))
+                de = _delta(sample.prompt_tokens_external, prev.prompt_tokens_external)
+                if de and dn is not None:
+                    prefill_busy *= dn / (dn + de)
             if sample.itl_buckets and len(sample.itl_buckets) == len(prev.itl_buckets):
                 diff = [
                     (b, c - pc)

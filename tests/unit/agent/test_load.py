@@ -176,6 +176,27 @@ def test_prefill_busy_is_prefill_seconds_over_wall_seconds() -> None:
     assert report.prefill_busy == pytest.approx(0.25)
 
 
+def test_prefill_busy_leaves_out_the_wait_for_transferred_kv() -> None:
+    """A decode engine's prefill phase for a request whose KV came from another engine is
+    mostly the wait for it: the share counts the phase in proportion to the prompt tokens
+    the engine computed itself."""
+    t = tracker()
+    t.update(
+        sample(prefill_time_s=1.0, prompt_tokens_computed=0.0, prompt_tokens_external=0.0), NOW
+    )
+    report = t.update(
+        sample(prefill_time_s=1.8, prompt_tokens_computed=100.0, prompt_tokens_external=300.0),
+        NOW + 1000,
+    )
+    assert report.prefill_busy == pytest.approx(0.8 * 100 / 400)
+    # all of it received: no stall on the batch
+    report = t.update(
+        sample(prefill_time_s=2.0, prompt_tokens_computed=100.0, prompt_tokens_external=900.0),
+        NOW + 2000,
+    )
+    assert report.prefill_busy == 0.0
+
+
 def test_prefill_busy_is_capped_at_one_and_falls_to_zero_when_idle() -> None:
     t = tracker()
     t.update(sample(prefill_time_s=1.0), NOW)
@@ -217,8 +238,9 @@ def test_rates_from_the_recorded_idle_then_decode_scrapes() -> None:
     report = t.update(adapter.sample(read("vllm", "metrics_decode.txt")), NOW + 1000)
     assert report.prefix_cache_hit_rate == pytest.approx(256 / 722)
     assert report.prefill_tokens_per_s == pytest.approx(105 / 0.1054722449999872)
-    # the same 0.105 s of prefill in the second between the scrapes
-    assert report.prefill_busy == pytest.approx(0.1054722449999872)
+    # the same 0.105 s of prefill in the second between the scrapes, of which the engine
+    # computed 105 prompt tokens itself and received 361 from the prefill engine
+    assert report.prefill_busy == pytest.approx(0.1054722449999872 * 105 / (105 + 361))
     # 14 inter-token gaps: 0 <= 10 ms, 11 <= 25 ms, 14 <= 50 ms.
     # p50: rank 7 in (10, 25] ms holding 11: 10 + 15 x 7 / 11
     # p99: rank 13.86 in (25, 50] ms holding 3: 25 + 25 x (13.86 - 11) / 3
