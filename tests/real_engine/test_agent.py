@@ -109,10 +109,13 @@ def _flood(url: str, n: int, max_tokens: int) -> list[threading.Thread]:
 def test_load_in_the_registry_follows_the_engine(pd_pair: RealFleet) -> None:
     """With N requests in flight on the decode engine, the registry shows them within two
     scrape periods of the engine's own /metrics showing them; the engine prefilled them, so
-    a report shows a prefill busy share above 0 (and at most 1) while they decode."""
+    a report shows a prefill busy share above 0 (and at most 1) while they decode (priced
+    at the phase seconds of a request the engine has finished before)."""
     real = pd_pair
     n = 4
     engine = real.engines["decode"]
+    for t in _flood(engine.url, 1, max_tokens=2):
+        t.join(timeout=60)
     threads = _flood(engine.url, n, max_tokens=300)
     seen_engine = seen_registry = None
     busiest = 0.0
@@ -133,7 +136,8 @@ def test_load_in_the_registry_follows_the_engine(pd_pair: RealFleet) -> None:
         if seen_engine is not None and load.batch_size + load.queue_depth >= n:
             seen_registry = time.monotonic()
         time.sleep(0.05)
-    # the prefills are counted by the first scrape after they end, while the requests decode
+    # the prefilled tokens are counted by the first scrape after them, while the requests
+    # decode
     while busiest == 0.0 and any(t.is_alive() for t in threads):
         got = real.worker("d0")
         assert got is not None

@@ -8,17 +8,16 @@ KV usage. Rates come from the difference between the two latest scrapes:
   instead, like SGLang, is taken as is);
 * prefill throughput = delta(prompt tokens the engine computed itself) / delta(seconds in
   the prefill phase), a per-request speed rather than the engine's load-dependent output;
-* prefill busy share = delta(seconds in the prefill phase) / delta(wall seconds), capped
-  at 1, times the share of the prompt tokens the engine computed itself among those it
-  computed or received from another engine (``local / (local + external KV)``): how much of
-  the time the engine's running batch was held up by prefills (the scheduler's TPOT
-  estimate divides the decode step by ``1 - share``). A decode engine's phase for a request
-  whose KV came by transfer is mostly the wait for that KV, which does not hold its batch
-  up; hence the second factor. The engine sums the phase per request, so prefills that
-  share a step are each counted in full, and a chunked prefill's phase includes the decode
-  work in its steps: an upper bound under load, which errs toward keeping decode batches
-  within their TPOT. Unlike the rates, an engine with no new prefills reports 0 (it is not
-  prefilling), and so does one that exports no prefill-phase time (SGLang);
+* prefill busy share = delta(prompt tokens the engine computed itself) x (seconds in the
+  prefill phase per prompt token, over the engine's life) / delta(wall seconds), capped at
+  1: how much of the time the engine's running batch was held up by prefills (the
+  scheduler's TPOT estimate divides the decode step by ``1 - share``). The token counter
+  moves when the engine computes, but vLLM adds a request's prefill phase to its histogram
+  only when the request finishes, so the phase seconds only price a token; prompt tokens
+  received from another engine are in the price's denominator, since a decode engine's
+  phase for them is mostly the wait for the transfer, which holds no batch up. An engine
+  with no new prompt tokens reports 0 (it is not prefilling), and so does one that has not
+  yet finished a request or exports no prefill-phase time (SGLang);
 * ITL p50 / p99 from the delta of the inter-token latency histogram, interpolated linearly
   inside the bucket that holds the quantile (as PromQL's ``histogram_quantile`` does).
 
@@ -88,6 +87,16 @@ class LoadTracker:
         """Forget the previous scrape (after the engine restarted)."""
         self._prev = None
 
+    @staticmethod
+    def _busy(sample: EngineSample, new_tokens: float, seconds: float) -> float:
+        """The prefill busy share (module docstring): ``new_tokens`` computed in ``seconds``
+        at the engine's lifetime phase seconds per prompt token."""
+        phase, local = sample.prefill_time_s, sample.prompt_tokens_computed
+        if not phase or not local:
+            return 0.0
+        tokens = local + (sample.prompt_tokens_external or 0.0)
+        return min(1.0, new_tokens * phase / tokens / seconds)
+
     def update(self, sample: EngineSample, now_ms: int) -> LoadReport:
         """Fold in one scrape taken at ``now_ms`` and return the report to send."""
         prev, self._prev = self._prev, sample
@@ -105,11 +114,8 @@ class LoadTracker:
             dn = _delta(sample.prompt_tokens_computed, prev.prompt_tokens_computed)
             if dt and dn:
                 self._prefill_tps = dn / dt
-            if dt and now_ms > prev_ms:
-                prefill_busy = min(1.0, dt * 1000.0 / (now_ms - prev_ms))
-                de = _delta(sample.prompt_tokens_external, prev.prompt_tokens_external)
-                if de and dn is not None:
-                    prefill_busy *= dn / (dn + de)
+            if dn and now_ms > prev_ms:
+                prefill_busy = self._busy(sample, dn, (now_ms - prev_ms) / 1000.0)
             if sample.itl_buckets and len(sample.itl_buckets) == len(prev.itl_buckets):
                 diff = [
                     (b, c - pc)

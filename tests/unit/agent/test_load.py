@@ -167,50 +167,59 @@ def test_prefill_throughput_is_computed_tokens_over_prefill_seconds() -> None:
     assert report.prefill_tokens_per_s == pytest.approx(2000.0)
 
 
-def test_prefill_busy_is_prefill_seconds_over_wall_seconds() -> None:
+def test_prefill_busy_prices_new_tokens_at_the_phase_seconds_per_token() -> None:
     t = tracker()
-    first = t.update(sample(prefill_time_s=2.0), NOW)
+    first = t.update(sample(prompt_tokens_computed=1000.0, prefill_time_s=2.0), NOW)
     assert first.prefill_busy == 0.0  # no earlier scrape to measure against
-    report = t.update(sample(prefill_time_s=2.5), NOW + 2000)
-    # 0.5 s of prefill in 2 s
-    assert report.prefill_busy == pytest.approx(0.25)
+    # 1,000 more tokens in 4 s; over the engine's life 2,000 tokens took 4 s of prefill
+    # phase (the second request's phase was recorded when it finished, in this window)
+    report = t.update(sample(prompt_tokens_computed=2000.0, prefill_time_s=4.0), NOW + 4000)
+    assert report.prefill_busy == pytest.approx(1000 * (4.0 / 2000) / 4)
 
 
-def test_prefill_busy_leaves_out_the_wait_for_transferred_kv() -> None:
-    """A decode engine's prefill phase for a request whose KV came from another engine is
-    mostly the wait for it: the share counts the phase in proportion to the prompt tokens
-    the engine computed itself."""
+def test_prefill_busy_counts_tokens_computed_before_their_phase_is_recorded() -> None:
+    """vLLM adds a request's prefill phase to its histogram only when the request finishes:
+    a window in which the engine prefilled but nothing finished still shows the share."""
     t = tracker()
-    t.update(
-        sample(prefill_time_s=1.0, prompt_tokens_computed=0.0, prompt_tokens_external=0.0), NOW
-    )
-    report = t.update(
-        sample(prefill_time_s=1.8, prompt_tokens_computed=100.0, prompt_tokens_external=300.0),
-        NOW + 1000,
-    )
-    assert report.prefill_busy == pytest.approx(0.8 * 100 / 400)
-    # all of it received: no stall on the batch
-    report = t.update(
-        sample(prefill_time_s=2.0, prompt_tokens_computed=100.0, prompt_tokens_external=900.0),
-        NOW + 2000,
-    )
-    assert report.prefill_busy == 0.0
+    t.update(sample(prompt_tokens_computed=1000.0, prefill_time_s=0.5), NOW)
+    report = t.update(sample(prompt_tokens_computed=1400.0, prefill_time_s=0.5), NOW + 1000)
+    assert report.prefill_busy == pytest.approx(400 * (0.5 / 1400))
 
 
-def test_prefill_busy_is_capped_at_one_and_falls_to_zero_when_idle() -> None:
+def test_prefill_busy_is_zero_when_idle_or_never_measured_and_capped_at_one() -> None:
     t = tracker()
-    t.update(sample(prefill_time_s=1.0), NOW)
-    # four requests prefilled in the same second each count their phase: capped
-    assert t.update(sample(prefill_time_s=5.0), NOW + 1000).prefill_busy == 1.0
-    # nothing prefilled since: not the last value, 0
-    assert t.update(sample(prefill_time_s=5.0), NOW + 2000).prefill_busy == 0.0
+    t.update(sample(prompt_tokens_computed=100.0), NOW)
+    # tokens computed, but no request has finished yet: no price for a token
+    assert t.update(sample(prompt_tokens_computed=500.0), NOW + 1000).prefill_busy == 0.0
+    t.update(sample(prompt_tokens_computed=500.0, prefill_time_s=5.0), NOW + 2000)
+    # 1,000 tokens at 10 ms each in one second: capped
+    busy = t.update(sample(prompt_tokens_computed=1500.0, prefill_time_s=15.0), NOW + 3000)
+    assert busy.prefill_busy == 1.0
+    # nothing computed since: not the last value, 0
+    idle = t.update(sample(prompt_tokens_computed=1500.0, prefill_time_s=15.0), NOW + 4000)
+    assert idle.prefill_busy == 0.0
 
 
 def test_prefill_busy_restarts_after_a_counter_reset() -> None:
     t = tracker()
-    t.update(sample(prefill_time_s=9.0), NOW)
-    assert t.update(sample(prefill_time_s=0.5), NOW + 1000).prefill_busy == 0.0
-    assert t.update(sample(prefill_time_s=0.8), NOW + 2000).prefill_busy == pytest.approx(0.3)
+    t.update(sample(prompt_tokens_computed=9000.0, prefill_time_s=9.0), NOW)
+    reset = t.update(sample(prompt_tokens_computed=100.0, prefill_time_s=0.1), NOW + 1000)
+    assert reset.prefill_busy == 0.0
+    after = t.update(sample(prompt_tokens_computed=400.0, prefill_time_s=0.4), NOW + 2000)
+    assert after.prefill_busy == pytest.approx(300 * (0.4 / 400))
+
+
+def test_prefill_busy_spreads_the_phase_over_tokens_received_from_another_engine() -> None:
+    """A decode engine's prefill phase for a request whose KV came from another engine is
+    mostly the wait for it: the phase seconds are spread over every prompt token it
+    computed or received, so the few it computes itself cost little."""
+    t = tracker()
+    t.update(sample(prompt_tokens_computed=10.0, prompt_tokens_external=990.0), NOW)
+    report = t.update(
+        sample(prompt_tokens_computed=20.0, prompt_tokens_external=1980.0, prefill_time_s=1.0),
+        NOW + 1000,
+    )
+    assert report.prefill_busy == pytest.approx(10 * (1.0 / 2000))
 
 
 def test_itl_percentiles_come_from_the_histogram_delta() -> None:
@@ -238,9 +247,9 @@ def test_rates_from_the_recorded_idle_then_decode_scrapes() -> None:
     report = t.update(adapter.sample(read("vllm", "metrics_decode.txt")), NOW + 1000)
     assert report.prefix_cache_hit_rate == pytest.approx(256 / 722)
     assert report.prefill_tokens_per_s == pytest.approx(105 / 0.1054722449999872)
-    # the same 0.105 s of prefill in the second between the scrapes, of which the engine
-    # computed 105 prompt tokens itself and received 361 from the prefill engine
-    assert report.prefill_busy == pytest.approx(0.1054722449999872 * 105 / (105 + 361))
+    # 105 prompt tokens computed in the second between the scrapes, priced at 0.105 s of
+    # prefill phase over the 105 computed and 361 received from the prefill engine
+    assert report.prefill_busy == pytest.approx(105 * 0.1054722449999872 / (105 + 361))
     # 14 inter-token gaps: 0 <= 10 ms, 11 <= 25 ms, 14 <= 50 ms.
     # p50: rank 7 in (10, 25] ms holding 11: 10 + 15 x 7 / 11
     # p99: rank 13.86 in (25, 50] ms holding 3: 25 + 25 x (13.86 - 11) / 3
