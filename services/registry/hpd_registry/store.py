@@ -119,8 +119,8 @@ def encode_load(load: LoadReport) -> bytes:
 
 
 def decode_load(raw: bytes | str) -> LoadReport:
-    """A stored load report: the binary form (either version), or JSON (as earlier
-    versions wrote it)."""
+    """A stored load report: the binary form (any version), or JSON (as earlier versions
+    wrote it)."""
     if isinstance(raw, bytes):
         if raw[:2] == _LOAD_TAG:
             return LoadReport(*_LOAD_BIN.unpack(raw[2:]))

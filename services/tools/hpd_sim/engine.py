@@ -211,12 +211,16 @@ class Simulator:
 
     # -- load reports and the policy call -----------------------------------------------------
 
+    def _share(self, avg: float, since: float, on: bool, now: float) -> float:
+        """An on/off indicator's time share, exponentially weighted with time constant
+        ``util_tau_s``: ``avg`` as of ``since``, ``on`` ever since."""
+        decay = math.exp(-(now - since) / self.config.util_tau_s) if now > since else 1.0
+        target = 1.0 if on else 0.0
+        return target + (avg - target) * decay
+
     def _util(self, w: SimWorker, now: float) -> float:
-        """Busy fraction, exponentially weighted with time constant ``util_tau_s``."""
-        tau = self.config.util_tau_s
-        decay = math.exp(-(now - w.util_t) / tau) if now > w.util_t else 1.0
-        target = 1.0 if w.active else 0.0
-        return target + (w.util - target) * decay
+        """Busy fraction (:meth:`_share` of being busy)."""
+        return self._share(w.util, w.util_t, w.active, now)
 
     def _set_active(self, w: SimWorker, active: bool, now: float) -> None:
         """Utilisation bookkeeping, updated only when the worker turns busy or idle (back to
@@ -232,12 +236,9 @@ class Simulator:
         w.active = active
 
     def _pduty(self, w: SimWorker, now: float) -> float:
-        """Share of recent time spent in prefill iterations (the report's ``prefill_busy``),
-        exponentially weighted with time constant ``util_tau_s`` as ``_util`` is."""
-        tau = self.config.util_tau_s
-        decay = math.exp(-(now - w.pduty_t) / tau) if now > w.pduty_t else 1.0
-        target = 1.0 if w.in_prefill else 0.0
-        return target + (w.pduty - target) * decay
+        """Share of recent time spent in prefill iterations (the report's ``prefill_busy``;
+        :meth:`_share` of prefilling)."""
+        return self._share(w.pduty, w.pduty_t, w.in_prefill, now)
 
     def _set_prefill(self, w: SimWorker, on: bool, now: float) -> None:
         """Prefill-share bookkeeping, updated when the worker starts or stops prefilling."""

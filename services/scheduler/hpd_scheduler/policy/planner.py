@@ -263,10 +263,15 @@ class Planner:
         """The options within the limits (the tier's hard TTFT, then admission past
         capacity by TTFT and by TPOT), or the refusal when none is."""
         prof = self.profile
-        limits: list[tuple[str, str, float, Callable[[Option], bool]]] = []
+        # (note, reject reason, bound, keep, kept instead when keep keeps none)
+        limits: list[
+            tuple[str, str, float, Callable[[Option], bool], Callable[[Option], bool] | None]
+        ] = []
         hard = tier.hard_ttft_ms
         if hard is not None:
-            limits.append(("hard", "exceeds_hard_ttft", hard, lambda o: o.ttft_ms <= hard))
+            limits.append(
+                ("hard_ttft_ms", "exceeds_hard_ttft", hard, lambda o: o.ttft_ms <= hard, None)
+            )
         slo = prof.slo_objective
         if slo is not None and slo.admit_ttft_factor > 0:
             # admission: when every option's predicted TTFT exceeds factor x the tier's
@@ -277,43 +282,41 @@ class Planner:
             limit = tier.ttft_ms * slo.admit_ttft_factor
             limits.append(
                 (
-                    "admission",
+                    "admission_ttft_ms",
                     "ttft_over_admission_limit",
                     limit,
                     lambda o: o.ttft_ms <= limit or o.ttft_ms <= 2.0 * own_ms(o),
+                    None,
                 )
             )
         if slo is not None and slo.admit_tpot_factor > 0:
             # the same past capacity for TPOT: every option left would decode on a worker
-            # whose batch, with the prefills it is taking, runs past the tier's TPOT target
+            # whose batch, with the prefills it is taking, runs past the tier's TPOT target.
+            # When none is within the limit, a worker too slow for it even decoding this
+            # request alone still serves while its load no more than doubles that step (as a
+            # prompt too long for the TTFT target is served above): that is not the fleet
+            # past capacity, and refusing would turn the request away from an idle fleet.
+            # Only then and only such workers: applied beside options within the limit, or
+            # to workers that could meet it alone, the exception let through requests that
+            # then missed (bench/README.md, 2026-12-06)
             tpot_limit = tier.tpot_ms * slo.admit_tpot_factor
             limits.append(
                 (
-                    "tpot_admission",
+                    "admission_tpot_ms",
                     "tpot_over_admission_limit",
                     tpot_limit,
                     lambda o: o.tpot_ms <= tpot_limit,
+                    lambda o: _too_slow_alone(o, request, tpot_limit),
                 )
             )
-        for kind_of, reason, bound, keep in limits:
+        for note, reason, bound, keep, instead in limits:
             ok = [o for o in options if keep(o)]
-            if not ok and kind_of == "tpot_admission":
-                # no option within the TPOT limit. A worker too slow for the limit even
-                # decoding this request alone still serves it while its load no more than
-                # doubles that step (as a prompt too long for the TTFT target is served
-                # above): that is not the fleet past capacity, and refusing would turn the
-                # request away from an idle fleet. The exception applies only here and only
-                # to such workers: applied beside options within the limit, or to workers
-                # that could meet the limit alone, it let through requests that then missed
-                # (bench/README.md, 2026-12-06)
-                ok = [o for o in options if _too_slow_alone(o, request, bound)]
+            if not ok and instead is not None:
+                ok = [o for o in options if instead(o)]
             if not ok:
-                if kind_of == "tpot_admission":
-                    record.notes.append(f"all_options_exceed_admission_tpot_ms:{bound:g}")
-                else:
-                    record.notes.append(f"all_options_exceed_{kind_of}_ttft_ms:{bound:g}")
+                record.notes.append(f"all_options_exceed_{note}:{bound:g}")
                 retry = self._retry_ms(tier)
-                if kind_of == "admission":
+                if reason == "ttft_over_admission_limit":
                     retry = _admission_retry_ms(min(o.ttft_ms for o in options), bound, retry)
                 return self._reject(
                     request,
@@ -462,9 +465,8 @@ def solo_step_ms(o: Option, request: Request) -> float:
     """The decode step of ``o``'s decode worker with only this request running (its prompt
     and half its output resident; the same figures as ``Candidate.step_ms``)."""
     ws = o.d.ws
-    cap = ws.cap
     own = request.prompt_tokens + request.expected_output_tokens * 0.5
-    return (cap.weights_ms + own * cap.kv_ms_per_token) * ws.m_d
+    return ws.cap.decode_step_ms(own) * ws.m_d
 
 
 def _too_slow_alone(o: Option, request: Request, limit_ms: float) -> bool:
