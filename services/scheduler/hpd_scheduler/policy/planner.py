@@ -292,13 +292,12 @@ class Planner:
         if slo is not None and slo.admit_tpot_factor > 0:
             # the same past capacity for TPOT: every option left would decode on a worker
             # whose batch, with the prefills it is taking, runs past the tier's TPOT target.
-            # When none is within the limit, a worker too slow for it even decoding this
-            # request alone still serves while its load no more than doubles that step (as a
-            # prompt too long for the TTFT target is served above): that is not the fleet
-            # past capacity, and refusing would turn the request away from an idle fleet.
-            # Only then and only such workers: applied beside options within the limit, or
-            # to workers that could meet it alone, the exception let through requests that
-            # then missed (bench/README.md, 2026-12-06)
+            # When none is, a worker too slow for the limit even decoding this request alone
+            # serves while its load at most doubles that step (as a too-long prompt does
+            # above): not past capacity, and an idle fleet must not refuse. Only then and
+            # only such workers: applied beside options within the limit, or to workers that
+            # could meet it alone, it let through requests that then missed (bench/README.md,
+            # 2026-12-06)
             tpot_limit = tier.tpot_ms * slo.admit_tpot_factor
             limits.append(
                 (
