@@ -26,6 +26,7 @@ from hetero_pd.v1 import scheduler_pb2 as s
 from hpd_common import redis_conn
 from hpd_scheduler.store import UNREADABLE_EXPLANATION
 from hpd_tools.embedded_redis import EmbeddedRedis
+from tests.support.fleet import load
 from tests.support.scheduler import (
     IDLE,
     SchedulerHandle,
@@ -330,6 +331,48 @@ async def test_health_turns_serving_when_the_view_syncs_not_at_the_next_probe(
     finally:
         await channel.close()
         await stop_server(server)
+
+
+async def test_a_reported_queue_does_not_count_planned_prefills_twice(
+    scheduler: SchedulerHandle,
+) -> None:
+    """A prefill the scheduler planned counts by its prompt's tokens; when the engine's next
+    load report shows it waiting, it is not priced again at the mean prompt. A request the
+    report shows beyond the plans (from another front door) still is. Until the prefill's
+    predicted end the transfer counts on its decode worker as one on its way there."""
+    svc = scheduler.service
+    if svc is None:
+        pytest.skip("needs the in-process scheduler")
+    p = scheduler.registry.prefix
+    pw, dw = f"{p}-tq-p", f"{p}-tq-d"
+    cred = await register(
+        scheduler.registry, pw, IDLE, pool_id="tq-prefill", stages=(c.STAGE_PREFILL,), gpu="L40S"
+    )
+    await register(
+        scheduler.registry, dw, IDLE, pool_id="tq-decode", stages=(c.STAGE_DECODE,), gpu="L4"
+    )
+    await scheduler.settle([pw, dw])
+    plan = (await scheduler.stub.Schedule(sched("tq-known", prompt=7500), timeout=5)).plan
+    assert plan.prefill_worker_id == pw and plan.decode_worker_id == dw, plan
+    # counted in tokens until its predicted prefill end, which the checks below precede
+    assert plan.estimates.prefill_wait_ms + plan.estimates.prefill_ms > 500
+
+    async def report(queue: int) -> None:
+        hb = r.HeartbeatRequest(worker_id=pw, credential=cred, load=load(queue=queue))
+        await scheduler.registry.stub.Heartbeat(hb, timeout=5)
+        await scheduler.settle([pw])
+
+    def backlog(wid: str = pw) -> tuple[float, int]:
+        ws = svc.fleet().worker(wid)
+        assert ws is not None
+        return ws.backlog_tokens, ws.live_tokens
+
+    await report(queue=1)  # the engine holds the planned request
+    ref = svc.fleet().ref_tokens  # the traffic's mean prompt, as this snapshot has it
+    assert backlog() == (0, 7500)
+    assert backlog(dw) == (ref, 0)  # on its way to the decode worker
+    await report(queue=2)  # and one the scheduler did not plan
+    assert backlog() == (svc.fleet().ref_tokens, 7500)
 
 
 async def test_health_serves_once_the_view_is_fresh(scheduler: SchedulerHandle) -> None:

@@ -8,10 +8,17 @@ so a prefill worker with many requests in flight looked backlogged by all of the
 (and, with conditional disaggregation, decode workers would take prefills they should not).
 Nothing tells the scheduler the moment a prefill ends, but it predicted it: each plan's
 estimates carry the prefill wait and time. A plan's tokens count as queued until that
-predicted end (``due``); after it the engine's own load report (its queue of waiting
-requests, priced at the traffic's mean prompt) covers a prefill that runs late, so the two
-never count the same work for long. The tokens stop counting at once when the outcome
-releases the reservation, and are forgotten when the reservation's TTL lapses (``drop``).
+predicted end (``due``: ``RoutePlan.prefill_end_ms``, for a transfer before the hand-off);
+after it the engine's own load report (its queue of waiting requests, priced at the
+traffic's mean prompt) covers a prefill that runs late. Before it, the report's queue holds
+the same requests: :meth:`PrefillDue.known` tells the snapshot how many of a worker's
+reported prefills are plans it already counts in tokens, so that only the rest is priced at
+the mean prompt (counting both had every planned prompt queued twice).
+:meth:`PrefillDue.inbound` counts, per decode worker, the transfers on their way to it
+whose prefill elsewhere is not done, as the simulator's views show them (module docstring
+of ``hpd_sim.engine``; why they count there: ``WorkerState.backlog_tokens``). The tokens
+stop counting at once when the outcome releases the reservation, and are forgotten when the
+reservation's TTL lapses (``drop``).
 
 Only this replica's own plans are tracked: other replicas' reservations come as totals
 without timing and count in full, as before. Pure and synchronous; times in ms of the
@@ -21,6 +28,7 @@ service's clock.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 __all__ = ["PrefillDue"]
@@ -31,6 +39,8 @@ class _Entry:
     worker_id: str
     tokens: int
     drop_ms: int
+    added_ms: int
+    decode_worker_id: str  # "" unless the plan transfers to another worker
     done: bool = False
 
 
@@ -48,11 +58,26 @@ class PrefillDue:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def add(self, request_id: str, worker_id: str, tokens: int, due_ms: int, drop_ms: int) -> None:
-        """Track a new reservation's ``tokens`` on ``worker_id`` until ``due_ms``."""
+    def add(
+        self,
+        request_id: str,
+        worker_id: str,
+        tokens: int,
+        due_ms: int,
+        drop_ms: int,
+        added_ms: int = 0,
+        decode_worker_id: str = "",
+    ) -> None:
+        """Track a new reservation's ``tokens`` on ``worker_id`` (planned at ``added_ms``)
+        until ``due_ms``; ``decode_worker_id``: where a transfer's KV goes (empty when the
+        prefill worker decodes too)."""
         if tokens <= 0 or request_id in self._entries:
             return
-        self._entries[request_id] = _Entry(worker_id, tokens, max(drop_ms, due_ms))
+        if decode_worker_id == worker_id:
+            decode_worker_id = ""
+        self._entries[request_id] = _Entry(
+            worker_id, tokens, max(drop_ms, due_ms), added_ms, decode_worker_id
+        )
         heapq.heappush(self._heap, (due_ms, request_id, 0))
 
     def expire(self, now_ms: int) -> dict[str, int]:
@@ -82,6 +107,29 @@ class PrefillDue:
         was_done = e.done
         self._forget(request_id, e)
         return (e.worker_id, e.tokens) if was_done else None
+
+    def known(self, reported_ms: Mapping[str, int]) -> dict[str, int]:
+        """Per worker, how many plans still counted in tokens were made by its load report's
+        time (``reported_ms``, per worker id) and so may be among the prefills the report
+        shows waiting or running. Plans made after it, and workers without a report, count
+        nothing: the report cannot show them. O(plans tracked)."""
+        out: dict[str, int] = {}
+        for e in self._entries.values():
+            if e.done:
+                continue
+            at = reported_ms.get(e.worker_id)
+            if at is not None and e.added_ms <= at:
+                out[e.worker_id] = out.get(e.worker_id, 0) + 1
+        return out
+
+    def inbound(self) -> dict[str, int]:
+        """Per decode worker, the transfers planned to it whose prefill on another worker is
+        not presumed done. O(plans tracked)."""
+        out: dict[str, int] = {}
+        for e in self._entries.values():
+            if not e.done and e.decode_worker_id:
+                out[e.decode_worker_id] = out.get(e.decode_worker_id, 0) + 1
+        return out
 
     def done_tokens(self, worker_id: str) -> int:
         """Reserved tokens on ``worker_id`` presumed prefilled already."""

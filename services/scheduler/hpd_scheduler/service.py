@@ -315,13 +315,15 @@ class SchedulerService(PolicyAndDirectives, OutcomeReports, RouteRecords, Schedu
                 continue
             metrics.DECISIONS.labels(decision=decision.kind.value, mode=plan.mode.value).inc()
             self.explanations.add(req.request_id, decision)
-            # its prompt counts as queued prefill work until its predicted first token
+            # its prompt counts as queued prefill work until its predicted prefill end
             self.prefill_due.add(
                 req.request_id,
                 plan.prefill_worker_id,
                 plan.prefill_tokens,
-                now_ms + int(plan.estimates.ttft_ms),
+                now_ms + int(plan.prefill_end_ms),
                 now_ms + s.reservation_ttl_ms,
+                now_ms,
+                plan.decode_worker_id if plan.mode is Mode.TRANSFER else "",
             )
             return ScheduleResult(head, False)
         return await self._refuse_fully_reserved(decision, req, tier.name, tier.queue_budget_ms)

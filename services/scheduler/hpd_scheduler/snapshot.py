@@ -112,16 +112,24 @@ class FleetSnapshot(SchedulerState):
                 cap = held_by.spec.kv_memory_total_bytes // per_block if per_block > 0 else 0
                 if cap > 0 and prefix.capacity(wid) != cap:
                     prefix.set_capacity(wid, cap)
+        now_ms = self.clock.now_ms()
+        due = self.prefill_due
+        due.expire(now_ms)
+        known: dict[str, int] | None = None
+        if len(due):
+            reported = {v.worker_id: v.load.reported_at_ms for v in views if v.load is not None}
+            known = due.known(reported)
         fleet = Fleet.build(
             views,
-            self.clock.now_ms() / 1000.0,
+            now_ms / 1000.0,
             links=self._links[1],
             previous=self._fleet,
             ref_prompt_tokens=self.prompt_mix.ref_tokens(),
             prefix=prefix.entries,
             prefix_heads=prefix.heads,
+            known_prefills=known,
+            inbound_transfers=due.inbound() if known is not None else None,
         )
-        self.prefill_due.expire(self.clock.now_ms())
         applied: dict[str, Totals] = {}
         for wid in self._totals:
             t = applied[wid] = self._effective(wid)

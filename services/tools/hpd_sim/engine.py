@@ -52,7 +52,9 @@ built per decision: O(workers), measured cheap for tens of workers); a positive 
 publishes reports at those ticks only, builds the Fleet once per tick and counts the
 decisions in between through ``apply_reservations`` (reports then lag reality by up to an
 interval, which is what a scheduler fed by heartbeats sees). Requests routed to a decode
-worker but not yet admitted there are shown as pending reservations either way.
+worker but not yet admitted there are shown as pending reservations either way, and those
+whose prefill on another worker is not done yet as its inbound transfers
+(``Fleet.build(inbound_transfers=..)``, which the service counts from its own plans).
 """
 
 from __future__ import annotations
@@ -304,6 +306,7 @@ class Simulator:
             previous=self._fleet,
             prefix=ix.entries if self._prefix else None,
             prefix_heads=ix.heads if self._prefix else None,
+            inbound_transfers={w.view.worker_id: w.pending_reqs for w in self.workers},
         )
         self.fleet_builds += 1
         return self._fleet

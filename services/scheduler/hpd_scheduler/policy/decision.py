@@ -85,6 +85,16 @@ class RoutePlan:
     estimates: Estimates
     cached_tokens: int = 0  # the prompt's prefix the prefill worker's engine already holds
 
+    @property
+    def prefill_end_ms(self) -> float:
+        """When, in ms after the decision, the prefill worker is predicted to be done with
+        the prompt: a transfer's prefill ends before the hand-off and the decode side's
+        admission wait, a local prefill with the first token."""
+        e = self.estimates
+        if self.mode is Mode.TRANSFER:
+            return e.prefill_wait_ms + e.prefill_ms
+        return e.ttft_ms
+
 
 @dataclass(frozen=True, slots=True)
 class FallbackStep:

@@ -103,8 +103,10 @@ class WorkerView:
 
     ``kv_available_bytes``: free KV memory on the worker (all its GPUs together), of the
     spec's ``kv_memory_total_bytes``. ``pending_*``: reservations the scheduler holds against
-    this worker that the load report cannot show yet (requests planned but not started);
-    they count as load. ``hard_max_batch_size`` is the ceiling adaptive batching may raise
+    this worker that the load report cannot show yet (requests planned but not started,
+    and the prompt tokens of prefills planned here); they count as load
+    (``WorkerState.backlog_tokens``; ``Fleet.build`` says which reported prefills they
+    stand for). ``hard_max_batch_size`` is the ceiling adaptive batching may raise
     the cap to (0: the spec's ``max_batch_size`` is also the hard ceiling).
 
     The spec's figures the planner reads are set from the spec at construction (never

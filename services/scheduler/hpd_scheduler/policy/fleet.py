@@ -214,6 +214,8 @@ class Fleet:
         previous: Fleet | None = None,
         prefix: Mapping[str, tuple[int, Container[int]]] | None = None,
         prefix_heads: Mapping[int, Collection[str]] | None = None,
+        known_prefills: Mapping[str, int] | None = None,
+        inbound_transfers: Mapping[str, int] | None = None,
     ) -> Fleet:
         """Index ``workers`` as of ``now_s``. Duplicate worker ids raise
         :class:`InvalidInputError`. Cost: O(N) plus one sort per preselection key used.
@@ -228,7 +230,14 @@ class Fleet:
         ``prefix``: per worker id, its engine's tokens per block and the prefix keys it holds
         (``PrefixIndex.entries``: live views, so the snapshot sees blocks stored after it
         was built). ``prefix_heads``: per prompt-start key, the workers holding it
-        (``PrefixIndex.heads``), so a decision finds a prompt's holders without a scan."""
+        (``PrefixIndex.heads``), so a decision finds a prompt's holders without a scan.
+
+        ``known_prefills``: per worker id, how many of the prefills its load report shows
+        waiting or running are plans the scheduler counts by their true prompt tokens (its
+        reservations, or the view's ``pending_prefill_tokens``), so the report's queue is
+        priced at the traffic's mean prompt only beyond them. ``inbound_transfers``: per
+        decode worker id, the transfers on their way to it whose prefill elsewhere is not
+        done (``WorkerState.backlog_tokens`` says how both count)."""
         fleet = cls()
         fleet.links = links or LinkModel()
         fleet.kv_policy = kv_policy
@@ -257,9 +266,12 @@ class Fleet:
                 reason = str(view.health.value).lower()
             ws: WorkerState | None = None
             if cap is not None:
+                wid = view.worker_id
                 ws = WorkerState(
-                    view, cap, len(fleet.states), now_s, fleet.staleness, ref_prompt_tokens
-                )
+                    view, cap, len(fleet.states), now_s, fleet.staleness, ref_prompt_tokens,
+                    known_prefills.get(wid, 0) if known_prefills else 0,
+                    inbound_transfers.get(wid, 0) if inbound_transfers else 0,
+                )  # fmt: skip
                 ws.link_class = fleet._link_class(view)
                 if prefix is not None:
                     entry = prefix.get(view.worker_id)
