@@ -228,3 +228,30 @@ def test_the_load_report_carries_the_share_of_time_spent_prefilling() -> None:
     later = sim.view_of(prefill, end + 2.0).load
     assert later is not None and later.prefill_busy == pytest.approx(busy_at_end * math.exp(-2.0))
     assert sim.view_of(decode, end + 2.0).load.prefill_busy == 0.0  # type: ignore[union-attr]
+
+
+def test_a_transfer_on_its_way_counts_on_its_decode_worker_as_the_service_counts_it() -> None:
+    """While a request's prefill runs on the prefill worker, the snapshot the next decision
+    sees counts it on its decode worker as one inbound transfer at the traffic's mean
+    prompt (``Fleet.build(inbound_transfers=..)``), the figure the scheduler service takes
+    from its own plans; once the KV is there it no longer does."""
+    from hpd_scheduler.policy import Decision, Fleet, Mode, Request
+    from hpd_sim import Simulator
+
+    reqs = [TraceRequest(0.0, 8000, 5), TraceRequest(0.05, 500, 5), TraceRequest(5.0, 500, 5)]
+    sim = Simulator(_cluster(), builtin_profile("default"), reqs)
+    inner = sim.planner
+    seen: list[tuple[float, Decision]] = []
+
+    class Watch:
+        def plan(self, req: Request, fleet: Fleet, now: float, rng: random.Random) -> Decision:
+            d = fleet.worker(sim.workers[1].view.worker_id)
+            assert d is not None
+            seen.append((d.backlog_tokens / fleet.ref_tokens, inner.plan(req, fleet, now, rng)))
+            return seen[-1][1]
+
+    sim.planner = Watch()  # type: ignore[assignment]
+    sim.run()
+    first = seen[0][1].plan
+    assert first is not None and first.mode is Mode.TRANSFER
+    assert [round(inbound, 6) for inbound, _ in seen] == [0.0, 1.0, 0.0]
