@@ -11,10 +11,10 @@ estimates carry the prefill wait and time. A plan's tokens count as queued until
 predicted end (``due``: ``RoutePlan.prefill_end_ms``, for a transfer before the hand-off);
 after it the engine's own load report (its queue of waiting requests, priced at the
 traffic's mean prompt) covers a prefill that runs late. Before it, the report's queue holds
-the same requests: :meth:`PrefillDue.known` tells the snapshot how many of a worker's
+the same requests: :meth:`PrefillDue.counts` tells the snapshot how many of a worker's
 reported prefills are plans it already counts in tokens, so that only the rest is priced at
-the mean prompt (counting both had every planned prompt queued twice).
-:meth:`PrefillDue.inbound` counts, per decode worker, the transfers on their way to it
+the mean prompt (counting both had every planned prompt queued twice), and, per decode
+worker, the transfers on their way to it
 whose prefill elsewhere is not done, as the simulator's views show them (module docstring
 of ``hpd_sim.engine``; why they count there: ``WorkerState.backlog_tokens``). The tokens
 stop counting at once when the outcome releases the reservation, and are forgotten when the
@@ -69,8 +69,8 @@ class PrefillDue:
         decode_worker_id: str = "",
     ) -> None:
         """Track a new reservation's ``tokens`` on ``worker_id`` (planned at ``added_ms``)
-        until ``due_ms``; ``decode_worker_id``: where a transfer's KV goes (empty when the
-        prefill worker decodes too)."""
+        until ``due_ms``; ``decode_worker_id``: where the plan decodes (a transfer's when
+        it is another worker; empty or ``worker_id`` for a local prefill)."""
         if tokens <= 0 or request_id in self._entries:
             return
         if decode_worker_id == worker_id:
@@ -108,28 +108,26 @@ class PrefillDue:
         self._forget(request_id, e)
         return (e.worker_id, e.tokens) if was_done else None
 
-    def known(self, reported_ms: Mapping[str, int]) -> dict[str, int]:
-        """Per worker, how many plans still counted in tokens were made by its load report's
-        time (``reported_ms``, per worker id) and so may be among the prefills the report
-        shows waiting or running. Plans made after it, and workers without a report, count
-        nothing: the report cannot show them. O(plans tracked)."""
-        out: dict[str, int] = {}
+    def counts(self, reported_ms: Mapping[str, int]) -> tuple[dict[str, int], dict[str, int]]:
+        """Two per-worker counts of the plans still counted in tokens, in one pass over them
+        (a snapshot rebuild asks for both).
+
+        ``known``: per prefill worker, the plans made by its load report's time
+        (``reported_ms``, per worker id), which may be among the prefills the report shows
+        waiting or running; plans made after it, and workers without a report, count
+        nothing: the report cannot show them. ``inbound``: per decode worker, the transfers
+        planned to it whose prefill on another worker is not presumed done. O(plans)."""
+        known: dict[str, int] = {}
+        inbound: dict[str, int] = {}
         for e in self._entries.values():
             if e.done:
                 continue
             at = reported_ms.get(e.worker_id)
             if at is not None and e.added_ms <= at:
-                out[e.worker_id] = out.get(e.worker_id, 0) + 1
-        return out
-
-    def inbound(self) -> dict[str, int]:
-        """Per decode worker, the transfers planned to it whose prefill on another worker is
-        not presumed done. O(plans tracked)."""
-        out: dict[str, int] = {}
-        for e in self._entries.values():
-            if not e.done and e.decode_worker_id:
-                out[e.decode_worker_id] = out.get(e.decode_worker_id, 0) + 1
-        return out
+                known[e.worker_id] = known.get(e.worker_id, 0) + 1
+            if e.decode_worker_id:
+                inbound[e.decode_worker_id] = inbound.get(e.decode_worker_id, 0) + 1
+        return known, inbound
 
     def done_tokens(self, worker_id: str) -> int:
         """Reserved tokens on ``worker_id`` presumed prefilled already."""

@@ -323,7 +323,7 @@ class SchedulerService(PolicyAndDirectives, OutcomeReports, RouteRecords, Schedu
                 now_ms + int(plan.prefill_end_ms),
                 now_ms + s.reservation_ttl_ms,
                 now_ms,
-                plan.decode_worker_id if plan.mode is Mode.TRANSFER else "",
+                plan.decode_worker_id,  # the prefill worker's own for a local prefill
             )
             return ScheduleResult(head, False)
         return await self._refuse_fully_reserved(decision, req, tier.name, tier.queue_budget_ms)

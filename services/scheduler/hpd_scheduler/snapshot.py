@@ -116,9 +116,10 @@ class FleetSnapshot(SchedulerState):
         due = self.prefill_due
         due.expire(now_ms)
         known: dict[str, int] | None = None
+        inbound: dict[str, int] | None = None
         if len(due):
             reported = {v.worker_id: v.load.reported_at_ms for v in views if v.load is not None}
-            known = due.known(reported)
+            known, inbound = due.counts(reported)
         fleet = Fleet.build(
             views,
             now_ms / 1000.0,
@@ -128,7 +129,7 @@ class FleetSnapshot(SchedulerState):
             prefix=prefix.entries,
             prefix_heads=prefix.heads,
             known_prefills=known,
-            inbound_transfers=due.inbound() if known is not None else None,
+            inbound_transfers=inbound,
         )
         applied: dict[str, Totals] = {}
         for wid in self._totals:

@@ -296,6 +296,7 @@ class Simulator:
         else:
             stamp = now
         views = [self.view_of(w, stamp) for w in self.workers]
+        on_way = [w for w in self.workers if w.pending_reqs]  # transfers whose prefill runs
         ix = self.prefix
         self._fleet = Fleet.build(
             views,
@@ -306,7 +307,7 @@ class Simulator:
             previous=self._fleet,
             prefix=ix.entries if self._prefix else None,
             prefix_heads=ix.heads if self._prefix else None,
-            inbound_transfers={w.view.worker_id: w.pending_reqs for w in self.workers},
+            inbound_transfers={w.view.worker_id: w.pending_reqs for w in on_way},
         )
         self.fleet_builds += 1
         return self._fleet

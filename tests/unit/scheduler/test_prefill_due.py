@@ -49,7 +49,7 @@ def test_nothing_to_count_is_not_tracked() -> None:
     assert due.expire(100) == {"p1": 10}
 
 
-def test_known_counts_the_plans_a_report_can_show() -> None:
+def test_known_plans_are_those_a_report_can_show() -> None:
     """Plans made by a worker's report time and not presumed done are the ones its reported
     queue may already hold; later plans, done plans and unreported workers count nothing."""
     due = PrefillDue()
@@ -58,11 +58,11 @@ def test_known_counts_the_plans_a_report_can_show() -> None:
     due.add("c", "p1", 800, due_ms=900, drop_ms=10_000, added_ms=400)  # after p1's report
     due.add("d", "p2", 500, due_ms=900, drop_ms=10_000, added_ms=100)
     due.add("e", "p3", 500, due_ms=900, drop_ms=10_000, added_ms=100)  # p3 never reported
-    assert due.known({"p1": 300, "p2": 100}) == {"p1": 2, "p2": 1}
+    assert due.counts({"p1": 300, "p2": 100})[0] == {"p1": 2, "p2": 1}
     due.expire(600)  # a is presumed prefilled
-    assert due.known({"p1": 300, "p2": 100}) == {"p1": 1, "p2": 1}
+    assert due.counts({"p1": 300, "p2": 100})[0] == {"p1": 1, "p2": 1}
     due.release("d")
-    assert due.known({"p1": 1_000, "p2": 1_000}) == {"p1": 2}
+    assert due.counts({"p1": 1_000, "p2": 1_000})[0] == {"p1": 2}
 
 
 def test_inbound_counts_transfers_whose_prefill_is_not_done() -> None:
@@ -72,8 +72,8 @@ def test_inbound_counts_transfers_whose_prefill_is_not_done() -> None:
     due.add("c", "p1", 800, due_ms=900, drop_ms=10_000, decode_worker_id="d2")
     due.add("e", "d3", 500, due_ms=900, drop_ms=10_000, decode_worker_id="d3")  # local
     due.add("f", "d3", 500, due_ms=900, drop_ms=10_000)  # local
-    assert due.inbound() == {"d1": 2, "d2": 1}
+    assert due.counts({})[1] == {"d1": 2, "d2": 1}
     due.expire(600)  # a's prefill is presumed done: its KV is on the way or there
-    assert due.inbound() == {"d1": 1, "d2": 1}
+    assert due.counts({})[1] == {"d1": 1, "d2": 1}
     due.release("c")
-    assert due.inbound() == {"d1": 1}
+    assert due.counts({})[1] == {"d1": 1}
