@@ -67,6 +67,20 @@ def test_admission_wait_formula_for_a_full_batch() -> None:
     assert wait == pytest.approx(200.0 / 256.0 * ws.step_ms())  # type: ignore[attr-defined]
 
 
+def test_admission_wait_counts_steps_as_the_engines_prefills_stretch_them() -> None:
+    # a full batch frees a slot only as fast as its steps run: on a worker prefilling half
+    # its time a step takes twice as long from the waiting sequence's side (the stretch
+    # WorkerState.tpot_ms applies to the running sequences), so the wait doubles
+    idle = _state(batch=256, queue=0)
+    busy = _state(batch=256, queue=0, prefill_busy=0.5)
+    calm = idle.admission_wait_ms(GIB, 200.0)  # type: ignore[attr-defined]
+    stretched = busy.admission_wait_ms(GIB, 200.0)  # type: ignore[attr-defined]
+    assert calm == pytest.approx(200.0 / 256.0 * idle.step_ms())  # type: ignore[attr-defined]
+    assert stretched == pytest.approx(2.0 * calm)
+    # and a worker with room admits at once however busy it is
+    assert _state(batch=10, prefill_busy=0.9).admission_wait_ms(GIB, 200.0) == 0.0  # type: ignore[attr-defined]
+
+
 def test_admission_wait_grows_with_the_queue_ahead() -> None:
     short = _state(batch=256, queue=2).admission_wait_ms(GIB, 200.0)  # type: ignore[attr-defined]
     long = _state(batch=256, queue=40).admission_wait_ms(GIB, 200.0)  # type: ignore[attr-defined]

@@ -177,9 +177,14 @@ class WorkerState:
           ``deficit / (used KV / L)`` steps, since finishing sequences free ``used / L``
           bytes per step;
 
-        the larger of the two, times the worker's current step (``step_ms()``). 0 when the
-        sequence fits now. Seed 001 has no such term: its batch factor packs sequences toward
-        70 % of the cap and its TTFT ignores the wait a full batch imposes."""
+        the larger of the two, times the worker's step as its prefills stretch it
+        (``tpot_ms(step_ms())``): sequences finish only as fast as decode steps run, and an
+        engine prefilling a share of its time runs that much fewer of them. With the bare
+        step a worker serving both stages whose prefills crowded out its decode steps looked
+        a slot away from admitting while its joiners waited seconds (bench/README.md,
+        2026-12-06, "the admission wait at the stretched step"). 0 when the sequence fits
+        now. Seed 001 has no such term: its batch factor packs sequences toward 70 % of the
+        cap and its TTFT ignores the wait a full batch imposes."""
         b = max(self.batch, 0)
         running = max(b, 1)
         steps = 0.0
@@ -192,7 +197,7 @@ class WorkerState:
         if kv_need > free:
             used = max(self.kv_total - self.kv_avail, 1)
             steps = max(steps, (kv_need - free) * seq_steps / used)
-        return steps * self.step_ms() if steps > 0 else 0.0
+        return steps * self.tpot_ms(self.step_ms()) if steps > 0 else 0.0
 
     def tpot_ms(self, step_ms: float) -> float:
         """The time per output token a running sequence sees with decode steps of
