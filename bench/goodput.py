@@ -37,7 +37,11 @@ from a held-out sample of each cell's workload (``hpd_sim.roles``; ``colocated``
 the fleet too; at least 2,000 requests: ``suite.ADVICE_MIN_REQUESTS``); a search's points
 stop as soon as they cannot keep 90 % (the same goodput, in less time); with ``--declared``
 also ours on the fleet as declared in every cell
-(``min_ours_as_declared_vs_best_baseline``; one more search where the advice changed it).
+(``min_ours_as_declared_vs_best_baseline``; one more search where the advice changed it);
+with ``--same-rate`` also least-loaded at ours's point past capacity (1.5x ours's goodput
+rate), the cliff compared at the same offered load
+(``cells_where_ours_keeps_less_than_least_loaded_at_the_same_rate``; one more point per
+cell, so not part of the timed quick suite).
 Prints the matrix and, with ``--out DIR``
 (default ``bench/results``), writes ``suite.json`` and the heat map ``suite.png``.
 ``--suite --quick``: the same matrix on shorter traces (40 s of arrivals at each cell's
@@ -84,6 +88,14 @@ def main(argv: list[str] | None = None) -> int:
         "--declared",
         action="store_true",
         help="suite: also search ours on the fleet as declared where the advice changed it",
+    )
+    ap.add_argument(
+        "--same-rate",
+        action="store_true",
+        help=(
+            "suite: also run least-loaded at 1.5x ours's goodput rate, the cliff compared at "
+            "the same offered load (one more point per cell)"
+        ),
     )
     args = ap.parse_args(argv)
     if args.suite:
@@ -198,7 +210,7 @@ def run_suite_main(args: argparse.Namespace) -> int:
     print(f"suite: {total} cells x {len(suite.POLICIES)} policies", file=sys.stderr)
     cells = suite.run_suite(
         seconds=seconds, max_requests=cap, rel_tol=tol, processes=args.processes,
-        progress=progress, declared=args.declared,
+        progress=progress, declared=args.declared, same_rate=args.same_rate,
     )  # fmt: skip
     wall = time.perf_counter() - t0
     out: dict[str, Any] = {
@@ -233,6 +245,15 @@ def run_suite_main(args: argparse.Namespace) -> int:
             f"{out['cells_with_a_steeper_cliff_than_least_loaded']} of "
             f"{out['cells_with_cliff_measured']}"
         )
+        print(
+            "median attainment of ours's admitted requests there: "
+            f"{out['median_ours_admitted_attainment_past_capacity']}"
+        )
+        if out["cells_where_ours_keeps_less_than_least_loaded_at_the_same_rate"] is not None:
+            print(
+                "cells where ours keeps less than least-loaded at the same rate (1.5x ours's "
+                f"goodput): {out['cells_where_ours_keeps_less_than_least_loaded_at_the_same_rate']}"
+            )
         print(f"worst cell: {out['min_cell']}; wall {wall:.0f} s")
         print(f"wrote {outdir / (name + '.json')}" + (" and the heat map" if plotted else ""))
     return 0

@@ -32,8 +32,11 @@ Figures: ``min_ours_vs_best_baseline`` over all cells (and
 ``min_ours_as_declared_vs_best_baseline``, the same for ours on the declared fleet) and
 ``geomean_ours_vs_least_loaded_heterogeneous`` over the cells of every cluster but the
 homogeneous one. Past capacity: the attainment of ours and of least-loaded at 1.5x each
-one's own goodput rate (``attainment_past_capacity``), and the number of cells where ours
-falls further than least-loaded (``cells_with_a_steeper_cliff_than_least_loaded``).
+one's own goodput rate (``attainment_past_capacity``; of the admitted requests alone,
+``admitted_attainment_past_capacity``), and the number of cells where ours falls further than
+least-loaded (``cells_with_a_steeper_cliff_than_least_loaded``); with ``same_rate``, also
+least-loaded at ours's point, the same offered load
+(``cells_where_ours_keeps_less_than_least_loaded_at_the_same_rate``).
 Cells run in parallel processes (one per core by default); each is
 deterministic (seeded), so the matrix does not depend on the process count.
 """
@@ -54,7 +57,7 @@ from hpd_sim.traces import Trace, load_trace, reshape
 from .cluster import ClusterSpec, default_cluster_path, load_cluster
 from .engine import SimConfig
 from .goodput import fluid_bound
-from .metrics import Slo
+from .metrics import Slo, Summary
 from .roles import DEPLOYMENTS, advise
 from .runner import resolve_policy, run_point, run_policy
 from .workloads import synthetic_trace
@@ -101,7 +104,10 @@ req/s). Larger samples cost simulation time in every cell of the suite; 2,000 ke
 suite within its time (bench/README.md)."""
 OVERLOAD = 1.5
 """Past capacity: the attainment of ``CLIFF_POLICIES`` at ``OVERLOAD`` x their own goodput
-rate, which says how steep each one's cliff is (at goodput both keep 90 %)."""
+rate, which says how steep each one's cliff is (at goodput both keep 90 %). Each point is
+at its own rate: where least-loaded's goodput is a small share of ours, its point may be
+below what the fleet can serve at all (its goodput is then held down by requests it
+misroutes, not by load), so ``same_rate`` also measures least-loaded at ours's point."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +178,11 @@ class Cell:
     wall_s: float
     past_capacity: dict[str, float] = field(default_factory=dict)
     advice: dict[str, Any] = field(default_factory=dict)
+    admitted_past_capacity: dict[str, float] = field(default_factory=dict)
+    """At the same points: the attainment of the requests admitted (refused ones left out)."""
+    at_ours_overload: dict[str, float] = field(default_factory=dict)
+    """With ``same_rate``: each cliff policy's attainment at ``OVERLOAD`` x ours's goodput
+    rate (ours's own point; least-loaded at the same offered load)."""
     """Where ``ours`` ran: the deployment chosen on a held-out sample (:mod:`.roles`)."""
 
     @property
@@ -194,6 +205,8 @@ class Cell:
             "ours_vs_best_baseline": self.ratio(best),
             "ours_vs_least_loaded": self.ratio("least_loaded"),
             "attainment_past_capacity": self.past_capacity,
+            "admitted_attainment_past_capacity": self.admitted_past_capacity,
+            "attainment_at_ours_overload_rate": self.at_ours_overload or None,
             "ours_deployment": self.advice,
             "ours_as_declared_vs_best_baseline": (
                 _ratio(self.goodput_rps["ours_as_declared"], self.goodput_rps.get(best, 0.0))
@@ -207,6 +220,14 @@ class Cell:
         """Ours keeps less attainment than least-loaded at ``OVERLOAD`` x each one's own
         goodput (None when either was not measured)."""
         ours, ll = self.past_capacity.get("ours"), self.past_capacity.get("least_loaded")
+        if ours is None or ll is None:
+            return None
+        return ours < ll
+
+    def less_at_the_same_rate(self) -> bool | None:
+        """Ours keeps less attainment than least-loaded at ``OVERLOAD`` x ours's goodput rate
+        (None when not measured: ``run_cell(same_rate=False)``)."""
+        ours, ll = self.at_ours_overload.get("ours"), self.at_ours_overload.get("least_loaded")
         if ours is None or ll is None:
             return None
         return ours < ll
@@ -236,6 +257,7 @@ def run_cell(
     rel_tol: float,
     policies: Sequence[str] = POLICIES,
     declared: bool = False,
+    same_rate: bool = False,
 ) -> Cell:
     """Goodput of each policy on one cell (module docstring). The cell's trace is as long
     as ``seconds`` of arrivals at the fluid bound's rate (at least 400 requests, at most
@@ -248,7 +270,9 @@ def run_cell(
     :data:`ADVICE_MIN_REQUESTS`; :func:`load_workload` with ``holdout``). Its goodput on
     the fleet as declared, ``ours_as_declared``, is the same run when the advice keeps the
     declared split, and is searched too with ``declared`` (one more search: the quick suite
-    leaves it out to stay within its time)."""
+    leaves it out to stay within its time). ``same_rate``: least-loaded is also run at
+    ``OVERLOAD`` x ours's goodput rate (``Cell.at_ours_overload``; one more point, left out
+    of the timed quick suite)."""
     t0 = time.perf_counter()
     spec, w, bound, n = _cell_size(cluster, workload, seconds, max_requests)
     trace = load_workload(w, n)
@@ -260,6 +284,8 @@ def run_cell(
     start = start_of(trace)
     goodput: dict[str, float] = {}
     past: dict[str, float] = {}
+    admitted: dict[str, float] = {}
+    ours_scale: float | None = None
     advice: dict[str, Any] = {}
     for policy in policies:
         profile, fleet = resolve_policy(policy), spec
@@ -284,9 +310,26 @@ def run_cell(
         if policy in CLIFF_POLICIES and run.goodput_scale:
             at = run_point(fleet, profile, trace, OVERLOAD * run.goodput_scale, w.slo, config)
             past[policy] = at.attainment
+            admitted[policy] = _admitted_attainment(at)
+            if policy == "ours":
+                ours_scale = run.goodput_scale
+    same: dict[str, float] = {}
+    if same_rate and ours_scale and "ours" in past:
+        same["ours"] = past["ours"]
+        ll = resolve_policy("least_loaded")
+        same["least_loaded"] = run_point(
+            spec, ll, trace, OVERLOAD * ours_scale, w.slo, config
+        ).attainment
     return Cell(
-        cluster, workload, len(trace), bound, goodput, time.perf_counter() - t0, past, advice
-    )
+        cluster, workload, len(trace), bound, goodput, time.perf_counter() - t0, past, advice,
+        admitted, same,
+    )  # fmt: skip
+
+
+def _admitted_attainment(at: Summary) -> float:
+    """The share of the admitted requests (refused ones left out) that kept their SLOs."""
+    admitted = at.requests - at.rejected
+    return at.attainment * at.requests / admitted if admitted > 0 else 0.0
 
 
 def run_suite(
@@ -299,6 +342,7 @@ def run_suite(
     policies: Sequence[str] = POLICIES,
     progress: Callable[[int, int, Cell], None] | None = None,
     declared: bool = False,
+    same_rate: bool = False,
 ) -> list[Cell]:
     """Every cell of ``clusters`` x ``workloads``, in ``processes`` processes (default: one
     per core), the longest traces first so that no process is left with a long cell at the
@@ -306,7 +350,7 @@ def run_suite(
     jobs = [(c, w) for c in clusters for w in workloads]
     procs = max(1, min(processes or os.cpu_count() or 1, len(jobs)))
     done: dict[tuple[str, str], Cell] = {}
-    args = (seconds, max_requests, rel_tol, policies, declared)
+    args = (seconds, max_requests, rel_tol, policies, declared, same_rate)
     if procs == 1:
         for c, w in jobs:
             done[(c, w)] = cell = run_cell(c, w, *args)
@@ -336,9 +380,18 @@ def summarise(cells: Sequence[Cell]) -> dict[str, Any]:
     het = [r for r in het if math.isfinite(r) and r > 0]
     worst = min(cells, key=lambda c: c.ratio(c.best_baseline)) if cells else None
     cliffs = [c.steeper_cliff() for c in cells]
+    same = [c.less_at_the_same_rate() for c in cells]
+    kept = sorted(
+        c.admitted_past_capacity["ours"] for c in cells if "ours" in c.admitted_past_capacity
+    )
     return {
         "cells_with_a_steeper_cliff_than_least_loaded": sum(1 for x in cliffs if x),
         "cells_with_cliff_measured": sum(1 for x in cliffs if x is not None),
+        # least-loaded at ours's own point past capacity (run_cell(same_rate=True) only)
+        "cells_where_ours_keeps_less_than_least_loaded_at_the_same_rate": (
+            sum(1 for x in same if x) if any(x is not None for x in same) else None
+        ),
+        "median_ours_admitted_attainment_past_capacity": (kept[len(kept) // 2] if kept else None),
         "min_ours_vs_best_baseline": min(mins) if mins else None,
         "min_cell": f"{worst.cluster}/{worst.workload}" if worst else None,
         "cells_below_best_baseline": sum(1 for r in mins if r < 1.0),

@@ -93,8 +93,9 @@ def test_the_summary_takes_the_worst_cell_and_leaves_the_homogeneous_cluster_out
 
 def test_a_cell_runs_every_policy_it_is_given() -> None:
     cell = run_cell(
-        "mixed_kv", "long_prompts", 40.0, 400, 0.25, ("ours", "least_loaded"), declared=True
-    )
+        "mixed_kv", "long_prompts", 40.0, 400, 0.25, ("ours", "least_loaded"), declared=True,
+        same_rate=True,
+    )  # fmt: skip
     assert cell.requests == 400
     assert set(cell.goodput_rps) == {"ours", "ours_as_declared", "least_loaded"}
     assert all(v > 0 for v in cell.goodput_rps.values())
@@ -110,6 +111,14 @@ def test_a_cell_runs_every_policy_it_is_given() -> None:
     assert set(cell.past_capacity) == {"ours", "least_loaded"}
     assert all(0.0 <= v < 0.9 for v in cell.past_capacity.values())
     assert cell.steeper_cliff() is not None
+    # the admitted requests' share is at least all requests' (refused ones only leave it)
+    assert set(cell.admitted_past_capacity) == {"ours", "least_loaded"}
+    for p, at in cell.past_capacity.items():
+        assert at <= cell.admitted_past_capacity[p] <= 1.0
+    # at the same rate ours's figure is its own point's, and least-loaded's was measured there
+    assert cell.at_ours_overload["ours"] == cell.past_capacity["ours"]
+    assert 0.0 <= cell.at_ours_overload["least_loaded"] <= 1.0
+    assert cell.less_at_the_same_rate() is not None
 
 
 def test_ours_on_the_declared_fleet_is_summarised_over_every_cell_or_not_at_all() -> None:
@@ -129,3 +138,20 @@ def test_a_cliff_is_steeper_when_ours_keeps_less_past_capacity() -> None:
     c.past_capacity = {"ours": 0.5, "least_loaded": 0.6}
     assert c.steeper_cliff() is True
     assert summarise([c])["cells_with_a_steeper_cliff_than_least_loaded"] == 1
+
+
+def test_the_same_rate_comparison_is_counted_only_where_it_was_measured() -> None:
+    c = _cell("default", ours=2.0, least_loaded=1.0)
+    c.past_capacity = {"ours": 0.6, "least_loaded": 0.8}  # steeper at each one's own point
+    c.admitted_past_capacity = {"ours": 0.95, "least_loaded": 0.8}
+    s = summarise([c])
+    assert s["cells_where_ours_keeps_less_than_least_loaded_at_the_same_rate"] is None
+    assert c.to_dict()["attainment_at_ours_overload_rate"] is None
+    assert s["median_ours_admitted_attainment_past_capacity"] == 0.95
+    c.at_ours_overload = {"ours": 0.6, "least_loaded": 0.3}  # least-loaded at ours's rate
+    assert c.less_at_the_same_rate() is False
+    other = _cell("mixed_kv", ours=2.0, least_loaded=1.0)
+    other.at_ours_overload = {"ours": 0.5, "least_loaded": 0.7}
+    s = summarise([c, other])
+    assert s["cells_with_a_steeper_cliff_than_least_loaded"] == 1
+    assert s["cells_where_ours_keeps_less_than_least_loaded_at_the_same_rate"] == 1
