@@ -178,12 +178,12 @@ class Cell:
     wall_s: float
     past_capacity: dict[str, float] = field(default_factory=dict)
     advice: dict[str, Any] = field(default_factory=dict)
+    """Where ``ours`` ran: the deployment chosen on a held-out sample (:mod:`.roles`)."""
     admitted_past_capacity: dict[str, float] = field(default_factory=dict)
-    """At the same points: the attainment of the requests admitted (refused ones left out)."""
+    """At the ``past_capacity`` points: the attainment of the admitted requests alone."""
     at_ours_overload: dict[str, float] = field(default_factory=dict)
     """With ``same_rate``: each cliff policy's attainment at ``OVERLOAD`` x ours's goodput
     rate (ours's own point; least-loaded at the same offered load)."""
-    """Where ``ours`` ran: the deployment chosen on a held-out sample (:mod:`.roles`)."""
 
     @property
     def best_baseline(self) -> str:
