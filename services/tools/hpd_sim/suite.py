@@ -219,18 +219,20 @@ class Cell:
     def steeper_cliff(self) -> bool | None:
         """Ours keeps less attainment than least-loaded at ``OVERLOAD`` x each one's own
         goodput (None when either was not measured)."""
-        ours, ll = self.past_capacity.get("ours"), self.past_capacity.get("least_loaded")
-        if ours is None or ll is None:
-            return None
-        return ours < ll
+        return _ours_below(self.past_capacity)
 
     def less_at_the_same_rate(self) -> bool | None:
         """Ours keeps less attainment than least-loaded at ``OVERLOAD`` x ours's goodput rate
         (None when not measured: ``run_cell(same_rate=False)``)."""
-        ours, ll = self.at_ours_overload.get("ours"), self.at_ours_overload.get("least_loaded")
-        if ours is None or ll is None:
-            return None
-        return ours < ll
+        return _ours_below(self.at_ours_overload)
+
+
+def _ours_below(attainment: dict[str, float]) -> bool | None:
+    """Ours's figure below least-loaded's (None when either is missing)."""
+    ours, ll = attainment.get("ours"), attainment.get("least_loaded")
+    if ours is None or ll is None:
+        return None
+    return ours < ll
 
 
 def _ratio(a: float, b: float) -> float:
@@ -314,7 +316,7 @@ def run_cell(
             if policy == "ours":
                 ours_scale = run.goodput_scale
     same: dict[str, float] = {}
-    if same_rate and ours_scale and "ours" in past:
+    if same_rate and ours_scale:  # set with ours's point past capacity
         same["ours"] = past["ours"]
         ll = resolve_policy("least_loaded")
         same["least_loaded"] = run_point(
