@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import pickle
 import random
 from dataclasses import replace
 from typing import Any, ClassVar
@@ -26,6 +27,7 @@ from hpd_scheduler.policy import (
     load_profile,
     parse_profile,
 )
+from hpd_scheduler.policy.errors import InvalidInputError, UnknownPluginError
 from hpd_scheduler.policy.framework import Candidate, RequestContext
 from hpd_scheduler.policy.plugins import DecodeMemoryFilter, MaxScorePicker
 
@@ -143,6 +145,24 @@ def test_bad_tier_names_the_key() -> None:
     with pytest.raises(ConfigError) as info:
         parse_profile(doc)
     assert info.value.key_path == "tiers.classes.gold.ttft_ms"
+
+
+@pytest.mark.parametrize(
+    "err",
+    [
+        ConfigError("slo_objective.admit_ttft_factor", "must be 0 (off) or in (0, 4]"),
+        UnknownPluginError("plugins[0].type", "no plugin 'gat'"),
+        InvalidInputError("prompt_tokens", "must be > 0"),
+    ],
+    ids=lambda e: type(e).__name__,
+)
+def test_policy_errors_survive_a_pickle_round_trip(err: ConfigError | InvalidInputError) -> None:
+    """The suite runs cells in worker processes, which send their errors back pickled: a bad
+    profile must arrive as itself, naming its key, not as a TypeError from the unpickler."""
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is type(err)
+    assert str(back) == str(err)
+    assert vars(back) == vars(err)
 
 
 def test_invalid_yaml_is_a_config_error() -> None:

@@ -25,6 +25,11 @@ class InvalidInputError(PolicyError):
         self.field = field
         self.message = message
 
+    def __reduce__(self) -> tuple[type[InvalidInputError], tuple[str, str]]:
+        # rebuilt from its fields, not from ``args`` (one formatted string): the suite's
+        # worker processes send errors back pickled
+        return (type(self), (self.field, self.message))
+
 
 class ConfigError(PolicyError):
     """A scheduler profile that cannot be loaded.
@@ -37,6 +42,11 @@ class ConfigError(PolicyError):
         super().__init__(f"{key_path}: {message}")
         self.key_path = key_path
         self.message = message
+
+    def __reduce__(self) -> tuple[type[ConfigError], tuple[str, str]]:
+        # as InvalidInputError's: a bad profile in a suite worker reached the parent as
+        # "ConfigError.__init__() missing 1 required positional argument" instead of its key
+        return (type(self), (self.key_path, self.message))
 
 
 class UnknownPluginError(ConfigError):
