@@ -163,6 +163,7 @@ class Simulator:
         self.now = 0.0
         self.outcomes: list[RequestOutcome] = []
         self._plans: list[tuple[int, int, int]] = []
+        self._planned_tokens: dict[int, int] = {}
         self._join_step: list[int] = []
         self._done = 0
         self._fleet: Fleet | None = None
@@ -283,6 +284,7 @@ class Simulator:
             load=load,
             pending_requests=w.pending_reqs,
             pending_kv_bytes=w.pending_kv,
+            pending_prefill_tokens=w.planned_tokens,
         )
 
     def _fleet_now(self, now: float) -> Fleet:
@@ -308,6 +310,12 @@ class Simulator:
             prefix=ix.entries if self._prefix else None,
             prefix_heads=ix.heads if self._prefix else None,
             inbound_transfers={w.view.worker_id: w.pending_reqs for w in on_way},
+            # the prefills planned on each worker and not done count by their own prompt
+            # tokens, as the scheduler service counts its own plans (``PrefillDue``); the
+            # report's queue beyond them is priced at the mean prompt. At the mean prompt
+            # alone, a heavy-tailed mix's queue of long prompts looked a third as long as it
+            # was (bench/README.md, 2026-12-06, "Token-true views")
+            known_prefills={w.view.worker_id: w.planned_n for w in self.workers if w.planned_n},
         )
         self.fleet_builds += 1
         return self._fleet
@@ -354,6 +362,10 @@ class Simulator:
         dw = self.by_id[plan.decode_worker_id]
         local = plan.mode is not Mode.TRANSFER or pw is dw
         self._plans[i] = (pw.idx, dw.idx, 1 if local else 0)
+        prefiller = dw if local else pw
+        prefiller.planned_n += 1
+        prefiller.planned_tokens += plan.prefill_tokens
+        self._planned_tokens[i] = plan.prefill_tokens
         dw.pending_kv += (r.prompt_tokens + r.output_tokens) * dw.bpt
         if local:
             dw.admit_q.append(i)
@@ -510,6 +522,8 @@ class Simulator:
         if w.iter_kind == 0:
             i = w.iter_payload
             _, d_idx, local = self._plans[i]
+            w.planned_n -= 1
+            w.planned_tokens -= self._planned_tokens.pop(i)
             if local:
                 self._first_token(i, w, now)
             else:
@@ -584,6 +598,7 @@ class Simulator:
             for i, r in enumerate(self.requests)
         ]
         self._plans = [(-1, -1, 0)] * n
+        self._planned_tokens = {}
         self._join_step = [0] * n
         for i, r in enumerate(self.requests):
             self._push(r.arrival_s, _ARRIVAL, i, 0)

@@ -70,6 +70,8 @@ class SimWorker:
         "pduty_t",
         "pending_kv",
         "pending_reqs",
+        "planned_n",
+        "planned_tokens",
         "prefill_q",
         "step_count",
         "step_ends",
@@ -107,6 +109,10 @@ class SimWorker:
         self.itl: deque[float] = deque(maxlen=ITL_WINDOW)
         self.pending_kv = 0
         self.pending_reqs = 0
+        # prefills planned here and not done, and their prompt tokens (what the scheduler
+        # service counts of its own plans: reservations until the prefill is due)
+        self.planned_n = 0
+        self.planned_tokens = 0
         self.busy_since = 0.0
         self.busy_total = 0.0
         self.util = 0.0

@@ -26,6 +26,7 @@ from hpd_scheduler.policy import (
     parse_profile,
 )
 from hpd_scheduler.policy.config import SloObjective
+from hpd_scheduler.policy.pairing import own_ms
 
 from .builders import GIB, NOW, request, worker
 
@@ -154,7 +155,7 @@ def _default_text() -> str:
 
 def test_default_profile_carries_the_objective_and_baselines_do_not() -> None:
     assert DEFAULT.slo_objective == SloObjective(
-        0.7, 0.9, 0.5, conditional=True, admit_ttft_factor=1.0, admit_tpot_factor=1.0
+        0.7, 0.9, 0.5, conditional=True, admit_ttft_factor=0.85, admit_tpot_factor=1.0
     )
     for name in builtin_profile_names():
         if name != "default":
@@ -314,6 +315,41 @@ def test_an_admission_refusal_suggests_the_wait_until_the_request_fits(queue: in
     assert d.retry_after_ms < tier.queue_budget_ms or best - limit >= tier.queue_budget_ms
 
 
+@pytest.mark.parametrize(
+    ("prompt", "admitted"),
+    [
+        pytest.param(40000, False, id="fits-the-limit-idle-refused-while-queued-past-it"),
+        pytest.param(120000, True, id="too-long-for-the-limit-served-while-it-waits-less"),
+    ],
+)
+def test_only_a_prompt_too_long_for_the_limit_is_exempt_from_the_ttft_admission(
+    prompt: int, admitted: bool
+) -> None:
+    """Past the admission limit, a prompt whose own work (prefill, hand-off) fits within the
+    limit on some worker is refused: it would miss now, and fits once the queue drains. Only
+    a prompt whose own work is past the limit on every option is served while its wait is
+    no longer than that work (refusing it would refuse it on an idle fleet too). Both
+    requests here wait no longer than they work: the exemption once covered the first as
+    well, and such long but feasible prompts were admitted into misses (bench/README.md,
+    2026-12-06, "Token-true views")."""
+    views = [
+        worker("p", Stage.PREFILL, gpu="H100-SXM", queue=40, rack="r1"),
+        worker("d", Stage.DECODE, gpu="A100-80G", batch=256, queue=40, kv_total_gib=70.0,
+               kv_free_gib=60.0),
+    ]  # fmt: skip
+    d = _plan(views, request(prompt, 200, "standard"))
+    tier = DEFAULT.tier("standard")
+    assert DEFAULT.slo_objective is not None
+    limit = tier.ttft_ms * DEFAULT.slo_objective.admit_ttft_factor
+    best = min(d.record.options, key=lambda o: o.ttft_ms)
+    assert limit < best.ttft_ms <= 2.0 * own_ms(best)  # past the limit, waits less than it works
+    assert (min(own_ms(o) for o in d.record.options) > limit) is admitted
+    if admitted:
+        assert d.plan is not None
+    else:
+        assert d.plan is None and d.reject_reasons == ("ttft_over_admission_limit",)
+
+
 def test_a_prefill_on_a_worker_that_also_decodes_counts_the_stall_on_its_batch() -> None:
     """``b`` serves both stages and decodes 150 sequences; its prefill queue is empty, so
     a transfer with its prefill on ``b`` has the best TTFT estimate, but that prefill would
@@ -402,13 +438,30 @@ def test_tpot_admission_refuses_when_every_decode_worker_would_miss_tpot() -> No
     assert _plan(_held_up(0.8), req, parse_profile(doc)).plan is not None
 
 
-@pytest.mark.parametrize("factor", [0.5, -1, "x"])
-def test_admit_tpot_factor_is_off_or_at_least_one(factor: object) -> None:
+@pytest.mark.parametrize("key", ["admit_ttft_factor", "admit_tpot_factor"])
+@pytest.mark.parametrize("factor", [-1, 4.5, "x"])
+def test_admit_factors_are_off_or_in_range(key: str, factor: object) -> None:
     doc = yaml.safe_load(_default_text())
-    doc["slo_objective"]["admit_tpot_factor"] = factor
+    doc["slo_objective"][key] = factor
     with pytest.raises(ConfigError) as info:
         parse_profile(doc)
-    assert "slo_objective.admit_tpot_factor" in str(info.value)
+    assert f"slo_objective.{key}" in str(info.value)
+
+
+@pytest.mark.parametrize("prompt", [2000, 40000, 60000, 120000])
+def test_an_idle_fleet_admits_every_prompt_whatever_the_admission_factor(prompt: int) -> None:
+    """An admission limit below the target (a margin for the estimates' error) must not
+    refuse a request on an idle fleet: a prompt whose own work is past the limit is served
+    while it waits no longer than it works, and idle it does not wait."""
+    views = [
+        worker("p", Stage.PREFILL, gpu="H100-SXM", rack="r1"),
+        worker("d", Stage.DECODE, gpu="A100-80G", kv_total_gib=70.0, kv_free_gib=60.0),
+    ]
+    doc = yaml.safe_load(_default_text())
+    for factor in (0.25, 0.85, 1.0):
+        doc["slo_objective"]["admit_ttft_factor"] = factor
+        d = _plan(views, request(prompt, 200, "standard"), parse_profile(doc))
+        assert d.plan is not None, (factor, d.reject_reasons)
 
 
 def _l4_alone(busy: float) -> list[WorkerView]:

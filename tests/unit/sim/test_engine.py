@@ -255,3 +255,42 @@ def test_a_transfer_on_its_way_counts_on_its_decode_worker_as_the_service_counts
     first = seen[0][1].plan
     assert first is not None and first.mode is Mode.TRANSFER
     assert [round(inbound, 6) for inbound, _ in seen] == [0.0, 1.0, 0.0]
+
+
+def test_the_prefills_planned_on_a_worker_count_by_their_own_prompt_tokens() -> None:
+    """A worker's queued and running prefills that the planner put there count in the next
+    snapshot by their true prompt tokens (``pending_prefill_tokens``, ``known_prefills``), as
+    the scheduler service counts its own plans, not at the traffic's mean prompt: a 20,000-token
+    prompt prefilling ahead of a request weighs 20,000 tokens in that request's decision
+    however short the prompts seen so far are; once it is prefilled it weighs nothing."""
+    from hpd_scheduler.policy import Decision, Fleet, Request
+    from hpd_sim import Simulator
+
+    reqs = [
+        TraceRequest(0.0, 100, 5),
+        TraceRequest(0.5, 100, 5),
+        TraceRequest(1.0, 20000, 5),
+        TraceRequest(1.01, 100, 5),
+        TraceRequest(9.0, 100, 5),
+    ]
+    sim = Simulator(_cluster(), builtin_profile("default"), reqs)
+    inner = sim.planner
+    backlog: list[float] = []
+    prefill_id = sim.workers[0].view.worker_id
+
+    class Watch:
+        def plan(self, req: Request, fleet: Fleet, now: float, rng: random.Random) -> Decision:
+            p = fleet.worker(prefill_id)
+            assert p is not None
+            backlog.append(p.backlog_tokens + p.live_tokens)
+            return inner.plan(req, fleet, now, rng)
+
+    sim.planner = Watch()  # type: ignore[assignment]
+    sim.run()
+    long, behind = sim.outcomes[2], sim.outcomes[3]
+    assert long.prefill_worker == prefill_id and long.mode == "transfer"
+    assert backlog == [0.0, 0.0, 0.0, 20000.0, 0.0]
+    # so the short prompt behind it prefills on its idle decode worker instead of queueing
+    # behind 20,000 tokens (at the mean prompt seen, the prefill worker looked all but idle)
+    assert behind.mode == "recompute" and behind.first_s < long.first_s
+    assert all(w.planned_n == 0 and w.planned_tokens == 0 for w in sim.workers)

@@ -109,11 +109,12 @@ class SloObjective:
     the stall its prefill puts on a non-empty running batch, ``(queued local prefill +
     this prefill) / expected output tokens``; a transfer whose prefill worker also decodes
     (it serves both stages) is judged by the same stall on that worker's running batch.
-    ``admit_ttft_factor`` ``a`` (0: off): refuse a request (SATURATED,
-    ``ttft_over_admission_limit``) when no option has ``ttft_est <= a x tier.ttft_ms``, except
-    an option whose own work (prefill, hand-off) is at least half its estimate, i.e. a prompt
-    too long for the target that waits no longer than it works.
-    ``admit_tpot_factor`` ``b`` (0: off): likewise refuse (SATURATED,
+    ``admit_ttft_factor`` ``a`` (0: off, else at most 4): refuse a request (SATURATED,
+    ``ttft_over_admission_limit``) when no option has ``ttft_est <= a x tier.ttft_ms``, except,
+    for a prompt whose own work (prefill, hand-off) is past that limit on every option, an
+    option whose own work is at least half its estimate (a prompt too long for the limit is
+    served while it waits no longer than it works, so an idle fleet never refuses).
+    ``admit_tpot_factor`` ``b`` (0: off, else at most 4): likewise refuse (SATURATED,
     ``tpot_over_admission_limit``) when no option left has ``tpot_est <= b x tier.tpot_ms``.
     The TPOT estimate sees the decode step stretched by the engine's reported prefill share
     (``WorkerState.tpot_ms``), so a worker whose batch is held up by the prefills routed to

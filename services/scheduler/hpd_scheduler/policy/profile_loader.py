@@ -328,7 +328,7 @@ def _slo_objective(raw: Any, p: str) -> SloObjective:
         if k == "slack_weight":
             _req(0 <= f <= 1, path, "must be in [0, 1]")
         elif k in ("admit_ttft_factor", "admit_tpot_factor"):
-            _req(f == 0 or f >= 1, path, "must be 0 (off) or >= 1")
+            _req(0 <= f <= 4, path, "must be 0 (off) or in (0, 4]")
         else:
             _req(0 < f <= 4, path, "must be in (0, 4]")
         fractions[str(k)] = f
