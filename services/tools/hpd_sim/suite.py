@@ -35,8 +35,9 @@ homogeneous one. Past capacity: the attainment of ours and of least-loaded at 1.
 one's own goodput rate (``attainment_past_capacity``; of the admitted requests alone,
 ``admitted_attainment_past_capacity``), and the number of cells where ours falls further than
 least-loaded (``cells_with_a_steeper_cliff_than_least_loaded``); with ``same_rate``, also
-least-loaded at ours's point, the same offered load
-(``cells_where_ours_keeps_less_than_least_loaded_at_the_same_rate``).
+least-loaded at ours's point and ours at least-loaded's, the same offered load
+(``cells_where_ours_keeps_less_than_least_loaded_at_the_same_rate``, at ours's point;
+``..._at_either_point``).
 Cells run in parallel processes (one per core by default); each is
 deterministic (seeded), so the matrix does not depend on the process count.
 """
@@ -52,6 +53,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from hpd_scheduler.policy import Profile
 from hpd_sim.traces import Trace, load_trace, reshape
 
 from .cluster import ClusterSpec, default_cluster_path, load_cluster
@@ -184,6 +186,9 @@ class Cell:
     at_ours_overload: dict[str, float] = field(default_factory=dict)
     """With ``same_rate``: each cliff policy's attainment at ``OVERLOAD`` x ours's goodput
     rate (ours's own point; least-loaded at the same offered load)."""
+    at_ll_overload: dict[str, float] = field(default_factory=dict)
+    """With ``same_rate``: the same at ``OVERLOAD`` x least-loaded's goodput rate (its own
+    point; ours at the same offered load)."""
 
     @property
     def best_baseline(self) -> str:
@@ -207,6 +212,7 @@ class Cell:
             "attainment_past_capacity": self.past_capacity,
             "admitted_attainment_past_capacity": self.admitted_past_capacity,
             "attainment_at_ours_overload_rate": self.at_ours_overload or None,
+            "attainment_at_least_loaded_overload_rate": self.at_ll_overload or None,
             "ours_deployment": self.advice,
             "ours_as_declared_vs_best_baseline": (
                 _ratio(self.goodput_rps["ours_as_declared"], self.goodput_rps.get(best, 0.0))
@@ -225,6 +231,14 @@ class Cell:
         """Ours keeps less attainment than least-loaded at ``OVERLOAD`` x ours's goodput rate
         (None when not measured: ``run_cell(same_rate=False)``)."""
         return _ours_below(self.at_ours_overload)
+
+    def less_at_either_point(self) -> bool | None:
+        """Ours keeps less than least-loaded at the same offered load at either one's
+        ``OVERLOAD`` point (None when neither was measured)."""
+        both = [_ours_below(self.at_ours_overload), _ours_below(self.at_ll_overload)]
+        if all(x is None for x in both):
+            return None
+        return any(both)
 
 
 def _ours_below(attainment: dict[str, float]) -> bool | None:
@@ -273,8 +287,9 @@ def run_cell(
     the fleet as declared, ``ours_as_declared``, is the same run when the advice keeps the
     declared split, and is searched too with ``declared`` (one more search: the quick suite
     leaves it out to stay within its time). ``same_rate``: least-loaded is also run at
-    ``OVERLOAD`` x ours's goodput rate (``Cell.at_ours_overload``; one more point, left out
-    of the timed quick suite)."""
+    ``OVERLOAD`` x ours's goodput rate and ours at ``OVERLOAD`` x least-loaded's
+    (``Cell.at_ours_overload``, ``Cell.at_ll_overload``; two more points, left out of the
+    timed quick suite)."""
     t0 = time.perf_counter()
     spec, w, bound, n = _cell_size(cluster, workload, seconds, max_requests)
     trace = load_workload(w, n)
@@ -287,7 +302,7 @@ def run_cell(
     goodput: dict[str, float] = {}
     past: dict[str, float] = {}
     admitted: dict[str, float] = {}
-    ours_scale: float | None = None
+    cliff: dict[str, tuple[float, ClusterSpec, Profile]] = {}  # goodput scale, where it ran
     advice: dict[str, Any] = {}
     for policy in policies:
         profile, fleet = resolve_policy(policy), spec
@@ -313,19 +328,35 @@ def run_cell(
             at = run_point(fleet, profile, trace, OVERLOAD * run.goodput_scale, w.slo, config)
             past[policy] = at.attainment
             admitted[policy] = _admitted_attainment(at)
-            if policy == "ours":
-                ours_scale = run.goodput_scale
-    same: dict[str, float] = {}
-    if same_rate and ours_scale:  # set with ours's point past capacity
-        same["ours"] = past["ours"]
-        ll = resolve_policy("least_loaded")
-        same["least_loaded"] = run_point(
-            spec, ll, trace, OVERLOAD * ours_scale, w.slo, config
-        ).attainment
+            cliff[policy] = (run.goodput_scale, fleet, profile)
+    same, at_ll = (
+        _at_each_others_point(cliff, past, trace, w.slo, config) if same_rate else ({}, {})
+    )
     return Cell(
         cluster, workload, len(trace), bound, goodput, time.perf_counter() - t0, past, advice,
-        admitted, same,
+        admitted, same, at_ll,
     )  # fmt: skip
+
+
+def _at_each_others_point(
+    cliff: dict[str, tuple[float, ClusterSpec, Profile]],
+    past: dict[str, float],
+    trace: Trace,
+    slo: Slo,
+    config: SimConfig,
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Each cliff policy at the other's point past capacity, the same offered load: (at
+    ours's point, at least-loaded's), both policies' attainment in each (both empty unless
+    both points were found)."""
+    if "ours" not in cliff or "least_loaded" not in cliff:
+        return {}, {}
+    (o_scale, o_fleet, o_prof), (l_scale, l_fleet, l_prof) = cliff["ours"], cliff["least_loaded"]
+    ll_there = run_point(l_fleet, l_prof, trace, OVERLOAD * o_scale, slo, config).attainment
+    ours_there = run_point(o_fleet, o_prof, trace, OVERLOAD * l_scale, slo, config).attainment
+    return (
+        {"ours": past["ours"], "least_loaded": ll_there},
+        {"ours": ours_there, "least_loaded": past["least_loaded"]},
+    )
 
 
 def _admitted_attainment(at: Summary) -> float:
@@ -383,6 +414,7 @@ def summarise(cells: Sequence[Cell]) -> dict[str, Any]:
     worst = min(cells, key=lambda c: c.ratio(c.best_baseline)) if cells else None
     cliffs = [c.steeper_cliff() for c in cells]
     same = [c.less_at_the_same_rate() for c in cells]
+    either = [c.less_at_either_point() for c in cells]
     kept = sorted(
         c.admitted_past_capacity["ours"] for c in cells if "ours" in c.admitted_past_capacity
     )
@@ -392,6 +424,10 @@ def summarise(cells: Sequence[Cell]) -> dict[str, Any]:
         # least-loaded at ours's own point past capacity (run_cell(same_rate=True) only)
         "cells_where_ours_keeps_less_than_least_loaded_at_the_same_rate": (
             sum(1 for x in same if x) if any(x is not None for x in same) else None
+        ),
+        # and at either one's point (least-loaded's own may be a load ours serves in SLO)
+        "cells_where_ours_keeps_less_than_least_loaded_at_either_point": (
+            sum(1 for x in either if x) if any(x is not None for x in either) else None
         ),
         "median_ours_admitted_attainment_past_capacity": (kept[len(kept) // 2] if kept else None),
         "min_ours_vs_best_baseline": min(mins) if mins else None,

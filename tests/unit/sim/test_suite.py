@@ -119,6 +119,11 @@ def test_a_cell_runs_every_policy_it_is_given() -> None:
     assert cell.at_ours_overload["ours"] == cell.past_capacity["ours"]
     assert 0.0 <= cell.at_ours_overload["least_loaded"] <= 1.0
     assert cell.less_at_the_same_rate() is not None
+    # and ours was measured at least-loaded's own point, least-loaded's figure its own there
+    assert cell.at_ll_overload["least_loaded"] == cell.past_capacity["least_loaded"]
+    assert 0.0 <= cell.at_ll_overload["ours"] <= 1.0
+    assert cell.less_at_either_point() is not None
+    assert cell.to_dict()["attainment_at_least_loaded_overload_rate"] == cell.at_ll_overload
 
 
 def test_ours_on_the_declared_fleet_is_summarised_over_every_cell_or_not_at_all() -> None:
@@ -155,3 +160,25 @@ def test_the_same_rate_comparison_is_counted_only_where_it_was_measured() -> Non
     s = summarise([c, other])
     assert s["cells_with_a_steeper_cliff_than_least_loaded"] == 1
     assert s["cells_where_ours_keeps_less_than_least_loaded_at_the_same_rate"] == 1
+    assert s["cells_where_ours_keeps_less_than_least_loaded_at_either_point"] == 1
+
+
+def test_either_point_counts_a_cell_where_ours_keeps_less_at_least_loadeds_point() -> None:
+    """Ahead at ours's point but behind at least-loaded's: the cell counts at either point,
+    not at the same rate; a cell measured at neither counts at neither."""
+    c = _cell("default", ours=2.0, least_loaded=1.0)
+    assert c.less_at_either_point() is None
+    c.at_ours_overload = {"ours": 0.6, "least_loaded": 0.3}
+    assert c.less_at_either_point() is False
+    c.at_ll_overload = {"ours": 0.7, "least_loaded": 0.8}
+    assert c.less_at_the_same_rate() is False
+    assert c.less_at_either_point() is True
+    s = summarise([c, _cell("mixed_kv", ours=2.0, least_loaded=1.0)])
+    assert s["cells_where_ours_keeps_less_than_least_loaded_at_the_same_rate"] == 0
+    assert s["cells_where_ours_keeps_less_than_least_loaded_at_either_point"] == 1
+    assert (
+        summarise([_cell("default", ours=1.0, least_loaded=1.0)])[
+            "cells_where_ours_keeps_less_than_least_loaded_at_either_point"
+        ]
+        is None
+    )

@@ -274,16 +274,13 @@ class Planner:
             )
         slo = prof.slo_objective
         if slo is not None and slo.admit_ttft_factor > 0:
-            # admission: when every option's predicted TTFT exceeds factor x the tier's
-            # target, the fleet is past capacity for this tier and the request would miss
-            # anyway; refused now (with a retry delay) it does not queue in front of requests
-            # that can still make theirs. A prompt too long for the limit even on an idle
-            # worker is served while its wait is no longer than its own prefill and hand-off
-            # (an idle fleet never refuses); one that fits the limit somewhere is not exempt:
-            # exempted whenever it waited less than it worked, such prompts were admitted
-            # into misses (bench/README.md, 2026-12-06, "Token-true views")
+            # admission: every option predicted past factor x the tier's TTFT target, the
+            # fleet is past capacity for the tier; refused now (with a retry delay) a request
+            # does not queue before ones that can still make theirs. A prompt too long for the
+            # limit on every worker is served while it waits no longer than it works (an idle
+            # fleet never refuses; bench/README.md, 2026-12-06, "Token-true views")
             limit = tier.ttft_ms * slo.admit_ttft_factor
-            too_long = min(own_ms(o) for o in options) > limit if options else False
+            too_long = bool(options) and min(own_ms(o) for o in options) > limit
             limits.append(
                 (
                     "admission_ttft_ms",
@@ -300,8 +297,7 @@ class Planner:
             # serves while its load at most doubles that step (as a too-long prompt does
             # above): not past capacity, and an idle fleet must not refuse. Only then and
             # only such workers: applied beside options within the limit, or to workers that
-            # could meet it alone, it let through requests that then missed (bench/README.md,
-            # 2026-12-06)
+            # could meet it alone, it let through requests that then missed (bench/README.md)
             tpot_limit = tier.tpot_ms * slo.admit_tpot_factor
             limits.append(
                 (
