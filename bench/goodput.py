@@ -258,7 +258,8 @@ def run_suite_main(args: argparse.Namespace) -> int:
             )
         if out["cells_where_ours_keeps_less_than_least_loaded_at_either_point"] is not None:
             print(
-                "... at either one's 1.5x point (least-loaded's too): "
+                "cells where ours keeps less than least-loaded at either one's 1.5x point "
+                "(both at that rate): "
                 f"{out['cells_where_ours_keeps_less_than_least_loaded_at_either_point']}"
             )
         print(f"worst cell: {out['min_cell']}; wall {wall:.0f} s")
