@@ -109,7 +109,7 @@ OVERLOAD = 1.5
 rate, which says how steep each one's cliff is (at goodput both keep 90 %). Each point is
 at its own rate: where least-loaded's goodput is a small share of ours, its point may be
 below what the fleet can serve at all (its goodput is then held down by requests it
-misroutes, not by load), so ``same_rate`` also measures least-loaded at ours's point."""
+misroutes, not by load), so ``same_rate`` also measures each at the other's point."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,9 +236,7 @@ class Cell:
         """Ours keeps less than least-loaded at the same offered load at either one's
         ``OVERLOAD`` point (None when neither was measured)."""
         both = [_ours_below(self.at_ours_overload), _ours_below(self.at_ll_overload)]
-        if all(x is None for x in both):
-            return None
-        return any(both)
+        return None if both == [None, None] else any(both)
 
 
 def _ours_below(attainment: dict[str, float]) -> bool | None:
@@ -413,21 +411,18 @@ def summarise(cells: Sequence[Cell]) -> dict[str, Any]:
     het = [r for r in het if math.isfinite(r) and r > 0]
     worst = min(cells, key=lambda c: c.ratio(c.best_baseline)) if cells else None
     cliffs = [c.steeper_cliff() for c in cells]
-    same = [c.less_at_the_same_rate() for c in cells]
-    either = [c.less_at_either_point() for c in cells]
     kept = sorted(
         c.admitted_past_capacity["ours"] for c in cells if "ours" in c.admitted_past_capacity
     )
     return {
         "cells_with_a_steeper_cliff_than_least_loaded": sum(1 for x in cliffs if x),
         "cells_with_cliff_measured": sum(1 for x in cliffs if x is not None),
-        # least-loaded at ours's own point past capacity (run_cell(same_rate=True) only)
-        "cells_where_ours_keeps_less_than_least_loaded_at_the_same_rate": (
-            sum(1 for x in same if x) if any(x is not None for x in same) else None
+        # at ours's own point past capacity, and at either's (run_cell(same_rate=True) only)
+        "cells_where_ours_keeps_less_than_least_loaded_at_the_same_rate": _count_measured(
+            [c.less_at_the_same_rate() for c in cells]
         ),
-        # and at either one's point (least-loaded's own may be a load ours serves in SLO)
-        "cells_where_ours_keeps_less_than_least_loaded_at_either_point": (
-            sum(1 for x in either if x) if any(x is not None for x in either) else None
+        "cells_where_ours_keeps_less_than_least_loaded_at_either_point": _count_measured(
+            [c.less_at_either_point() for c in cells]
         ),
         "median_ours_admitted_attainment_past_capacity": (kept[len(kept) // 2] if kept else None),
         "min_ours_vs_best_baseline": min(mins) if mins else None,
@@ -448,6 +443,11 @@ def summarise(cells: Sequence[Cell]) -> dict[str, Any]:
             else None
         ),
     }
+
+
+def _count_measured(flags: Sequence[bool | None]) -> int | None:
+    """How many are true, or None when none was measured."""
+    return sum(1 for x in flags if x) if any(x is not None for x in flags) else None
 
 
 def render_matrix(cells: Sequence[Cell]) -> str:
