@@ -178,9 +178,15 @@ def test_schedule_from_json_then_its_route_record(hpd_up: int) -> None:
 
     from hetero_pd.v1 import common_pb2 as c
 
+    # A model of this test's own: the earlier tests' workers (neg-d1 in the same decode pool)
+    # cannot answer for it, so the first plan waits for both of these to reach the scheduler's
+    # view instead of racing the feed (Schedule is idempotent per id: the first plan is kept).
+    model = "llama-3-8b-grpcurl"
     for cap in (
-        capability("sch-p1", model="llama-3-8b"),
-        capability("sch-d1", pool_id="a100-decode", stages=(c.STAGE_DECODE,), gpu="A100-80G"),
+        capability("sch-p1", model=model),
+        capability(
+            "sch-d1", pool_id="a100-decode", stages=(c.STAGE_DECODE,), gpu="A100-80G", model=model
+        ),
     ):
         out = grpcurl(
             hpd_up,
@@ -191,7 +197,7 @@ def test_schedule_from_json_then_its_route_record(hpd_up: int) -> None:
     sched = PORTS["scheduler"]
     request = {
         "request_id": "grpcurl-req-1",
-        "model_id": "llama-3-8b",
+        "model_id": model,
         "prompt_tokens": 2000,
         "expected_output_tokens": 128,
         "tier": "standard",
@@ -204,7 +210,7 @@ def test_schedule_from_json_then_its_route_record(hpd_up: int) -> None:
         time.sleep(0.2)
     assert out.returncode == 0, out.stdout + out.stderr
     plan = json.loads(out.stdout)["plan"]
-    assert plan["prefill_pool_id"] == "h100-prefill"  # sch-p1, or an earlier test's H100
+    assert plan["prefill_worker_id"] == "sch-p1"
     assert plan["decode_worker_id"] == "sch-d1"
     assert plan["mode"] == "EXECUTION_MODE_TRANSFER"
     rec = grpcurl(
