@@ -427,3 +427,21 @@ async def test_queued_prefill_tokens_follow_reservations(scheduler: SchedulerHan
     assert queued() == 0
     svc.rebuild()
     assert queued() == 0
+
+
+async def test_the_snapshot_knows_how_long_the_traffics_sequences_live(
+    scheduler: SchedulerHandle,
+) -> None:
+    """The decode admission wait drains a full batch at the traffic's mean output
+    (``Fleet.ref_output_tokens``): unknown (0) before the first request, then the mean of
+    the expected outputs the scheduler has planned."""
+    svc = scheduler.service
+    if svc is None:
+        pytest.skip("needs the in-process scheduler")
+    await hetero_fleet(scheduler)
+    assert svc.rebuild().ref_output_tokens == 0
+    await scheduler.stub.Schedule(sched("om-1", prompt=800, output=600), timeout=5)
+    assert 600 / 1.25 < svc.rebuild().ref_output_tokens < 600 * 1.25
+    for _ in range(200):  # the mix follows the traffic (about 50 requests of memory)
+        svc.output_mix.observe(60)
+    assert 60 / 1.25 < svc.rebuild().ref_output_tokens < 60 * 1.25

@@ -180,6 +180,8 @@ class SchedulerService(PolicyAndDirectives, OutcomeReports, RouteRecords, Schedu
         self.prefix = PrefixIndex()
         self.kv_events = KvEventFollower(client, RegistryKeys(settings.key_prefix), self.prefix)
         self.prompt_mix = PromptMix()
+        # and the outputs' mix: how long a running sequence lives (decode admission waits)
+        self.output_mix = PromptMix(initial_tokens=None)
         # this replica's reserved prompt tokens still waiting to be prefilled (token-true
         # prefill queues: a reservation lasts until the outcome, a prefill does not)
         self.prefill_due = PrefillDue()
@@ -271,6 +273,7 @@ class SchedulerService(PolicyAndDirectives, OutcomeReports, RouteRecords, Schedu
         except InvalidInputError as exc:
             raise InvalidArgument(exc.field, exc.message) from None
         self.prompt_mix.observe(req.prompt_tokens)
+        self.output_mix.observe(req.expected_output_tokens)
         fleet = self.fleet()
         for wid in self.prefill_due.expire(self.clock.now_ms()):
             self._apply(wid)  # its plans presumed prefilled by now stop counting as queued

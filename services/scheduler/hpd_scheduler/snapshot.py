@@ -54,6 +54,7 @@ class SchedulerState:
     directives: DirectiveSender
     prefix: PrefixIndex
     prompt_mix: PromptMix
+    output_mix: PromptMix
     prefill_due: PrefillDue
     on_view_synced: Callable[[], None] | None
     _policy: PolicyState
@@ -126,6 +127,7 @@ class FleetSnapshot(SchedulerState):
             links=self._links[1],
             previous=self._fleet,
             ref_prompt_tokens=self.prompt_mix.ref_tokens(),
+            ref_output_tokens=self.output_mix.ref_tokens(),
             prefix=prefix.entries,
             prefix_heads=prefix.heads,
             known_prefills=known,

@@ -150,6 +150,7 @@ class Simulator:
         self._cached_tokens = 0
         self._prefill_tokens = 0
         self.prompt_mix = PromptMix()
+        self.output_mix = PromptMix(initial_tokens=None)
         self.model = cluster.model
         self.eff = cluster.efficiency
         self.pipes: dict[tuple[str, ...], Pipe] = {}
@@ -306,6 +307,7 @@ class Simulator:
             links=self.cluster.links,
             staleness=self.staleness,
             ref_prompt_tokens=self.prompt_mix.ref_tokens(),
+            ref_output_tokens=self.output_mix.ref_tokens(),
             previous=self._fleet,
             prefix=ix.entries if self._prefix else None,
             prefix_heads=ix.heads if self._prefix else None,
@@ -326,6 +328,7 @@ class Simulator:
         r = self.requests[i]
         out = self.outcomes[i]
         self.prompt_mix.observe(r.prompt_tokens)
+        self.output_mix.observe(r.output_tokens)
         fleet = self._fleet_now(now)
         req = Request(
             request_id=f"r{i}",

@@ -48,8 +48,11 @@ def test_admission_keeps_admitted_requests_within_their_slo_at_three_times_the_b
     assert reasons <= {"ttft_over_admission_limit", "tpot_over_admission_limit"}
     assert len(admitted) >= 0.3 * len(with_admission)  # it still serves about its capacity
     assert attainment(admitted, w.slo) >= 0.9
-    # without admission every request is served and most miss: the queue only grows
-    assert not any(o.rejected for o in without)
+    # without admission every request is served and most miss: the queue only grows (the
+    # tier's hard TTFT limit, which is not admission, still drops the odd plan past it:
+    # 38 of 1,500 measured)
+    assert {o.reject_reason for o in without if o.rejected} <= {"exceeds_hard_ttft"}
+    assert sum(1 for o in without if o.rejected) < 0.05 * len(without)
     assert attainment(without, w.slo) < 0.5
     assert attainment(with_admission, w.slo) > attainment(without, w.slo)
 

@@ -107,10 +107,14 @@ class SloObjective:
     on a worker serving both stages), not only where the seed rule would recompute, and the
     estimates above choose between it and a transfer; such an option's TPOT estimate adds
     the stall its prefill puts on a non-empty running batch, ``(queued local prefill +
-    this prefill) / expected output tokens``; a transfer whose prefill worker also decodes
+    this prefill) / the traffic's mean output`` (``Fleet.ref_output_tokens``; the request's
+    own expected output when unknown); a transfer whose prefill worker also decodes
     (it serves both stages) is judged by the same stall on that worker's running batch.
     ``admit_ttft_factor`` ``a`` (0: off, else at most 4): refuse a request (SATURATED,
-    ``ttft_over_admission_limit``) when no option has ``ttft_est <= a x tier.ttft_ms``, except,
+    ``ttft_over_admission_limit``) when no option has ``ttft_est <= a x tier.ttft_ms``, where
+    a request expecting ``k > 1`` times the traffic's mean output is judged with ``k`` times
+    its decode admission wait (``Option.admit_extra_ms``: it would hold its slot ``k`` times
+    as long, so past capacity the longest are refused first), except,
     for a prompt whose own work (prefill, hand-off) is past that limit on every option, an
     option whose own work is at least half its estimate (a prompt too long for the limit is
     served while it waits no longer than it works, so an idle fleet never refuses).

@@ -183,6 +183,7 @@ class Fleet:
         "kv_policy",
         "links",
         "prefix_heads",
+        "ref_output_tokens",
         "ref_tokens",
         "staleness",
         "states",
@@ -196,6 +197,7 @@ class Fleet:
         self.kv_policy = DEFAULT_KV_POLICY
         self.staleness = StalenessPolicy()
         self.ref_tokens = 1024
+        self.ref_output_tokens = 0
         self.built_at_s = 0.0
         self.prefix_heads: Mapping[int, Collection[str]] | None = None
         self._model_kv: dict[str, int] = {}
@@ -212,6 +214,7 @@ class Fleet:
         staleness: StalenessPolicy | None = None,
         ref_prompt_tokens: int = 1024,
         previous: Fleet | None = None,
+        ref_output_tokens: int = 0,
         prefix: Mapping[str, tuple[int, Container[int]]] | None = None,
         prefix_heads: Mapping[int, Collection[str]] | None = None,
         known_prefills: Mapping[str, int] | None = None,
@@ -237,12 +240,18 @@ class Fleet:
         reservations, or the view's ``pending_prefill_tokens``), so the report's queue is
         priced at the traffic's mean prompt only beyond them. ``inbound_transfers``: per
         decode worker id, the transfers on their way to it whose prefill elsewhere is not
-        done (``WorkerState.backlog_tokens`` says how both count)."""
+        done (``WorkerState.backlog_tokens`` says how both count).
+
+        ``ref_output_tokens``: the traffic's mean expected output (a ``PromptMix`` over the
+        outputs), how many decode steps a running sequence lives on average, which sets how
+        fast a full decode batch frees a slot (``WorkerState.admission_wait_ms``); 0 when
+        not known, and each request's own output stands for the others'."""
         fleet = cls()
         fleet.links = links or LinkModel()
         fleet.kv_policy = kv_policy
         fleet.staleness = staleness or StalenessPolicy()
         fleet.ref_tokens = ref_prompt_tokens
+        fleet.ref_output_tokens = max(0, ref_output_tokens)
         fleet.built_at_s = now_s
         fleet.prefix_heads = prefix_heads
         reuse = previous.by_id if previous is not None else {}

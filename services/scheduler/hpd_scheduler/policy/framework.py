@@ -177,6 +177,7 @@ class Option:
     """
 
     __slots__ = (
+        "admit_extra_ms",
         "conversion_ms",
         "d",
         "factors",
@@ -210,6 +211,9 @@ class Option:
         self.ttft_ms = ttft_ms
         # the SLO objective's TPOT estimate (pairing._apply_slo); 0 when not estimated
         self.tpot_ms = 0.0
+        # what admission past capacity adds to ttft_ms for a request that would hold its
+        # decode slot longer than the traffic's mean (pairing._apply_slo); 0 otherwise
+        self.admit_extra_ms = 0.0
         self.kv_reasons = kv_reasons
         # joint options keep their factors on their candidates; only the independent pairing
         # gives an option its own dict (by assignment): share one empty dict until then

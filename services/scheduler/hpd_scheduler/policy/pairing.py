@@ -207,13 +207,21 @@ def _apply_slo(
     ``ttft = admit + wait + prefill``."""
     tier = ctx.tier
     req = ctx.request
-    admit = d.ws.admission_wait_ms(d.kv_need, float(max(req.expected_output_tokens, 16)))
+    # how fast d's batch frees a slot depends on how long its running sequences live: the
+    # traffic's mean output; this request's own stood for theirs, so the short-output
+    # requests near the admission limit were the ones whose wait was predicted short
+    lives = ctx.fleet.ref_output_tokens or req.expected_output_tokens
+    admit = d.ws.admission_wait_ms(d.kv_need, float(max(lives, 16)))
+    # past capacity the requests refused first are those that would hold a decode slot
+    # longest: one living k > 1 times the mean is admitted only while its wait, k times
+    # over, is within the limit (Option.admit_extra_ms); each one refused frees k slots' worth
+    hold = max(1.0, req.expected_output_tokens / lives) if lives > 0 else 1.0
     target = tier.ttft_ms
     ttft_limit = target * slo.ttft_fraction
     tpot_limit = tier.tpot_ms * slo.tpot_fraction
     tpot = d.ws.tpot_ms(d.step_ms)
     tpot_ok = 1.0 if tpot <= tpot_limit else 0.0
-    steps = float(max(req.expected_output_tokens, 1))
+    steps = float(max(lives, 1))
     s = slo.slack_weight
     for i in range(first, len(options)):
         o = options[i]
@@ -225,7 +233,7 @@ def _apply_slo(
             # worker serving both stages; a prefill worker's batch is prefills, which this
             # one only queues behind) stalls its running batch: the sequences there wait
             # for the prefill queued on it and this prompt's, spread over a sequence's decode
-            # steps (this request's output stands for theirs); an option that would push
+            # steps (the traffic's mean output); an option that would push
             # their TPOT past the target does not keep it. (The prefill queued on the decode
             # side was tried as a stall on a transfer too: on the suite it cost the
             # slow-link cells up to 27 % of goodput and was left out.)
@@ -235,11 +243,10 @@ def _apply_slo(
             if stalled > tpot_limit:
                 kept_tpot = 0.0
         if admit > 0:
-            if o.mode is Mode.TRANSFER:
-                ahead = o.p.wait_ms + o.p.run_ms
-                o.ttft_ms += max(0.0, admit - ahead)
-            else:
-                o.ttft_ms += admit
+            ahead = o.p.wait_ms + o.p.run_ms if o.mode is Mode.TRANSFER else 0.0
+            o.ttft_ms += max(0.0, admit - ahead)
+            if hold > 1.0:
+                o.admit_extra_ms = max(0.0, admit * hold - ahead) - max(0.0, admit - ahead)
         kept = kept_tpot + (1.0 if o.ttft_ms <= ttft_limit else 0.0)
         slack = target / (target + max(o.ttft_ms, 0.0))
         o.score = ((1.0 - s) * o.score + s * slack + kept) / 3.0

@@ -33,7 +33,8 @@ Stages of :meth:`Planner.plan`:
 
 6. drop options above the tier's hard TTFT limit; with the SLO objective's
    ``admit_ttft_factor``, refuse the request when every option is predicted past that
-   multiple of the tier's TTFT target (admission past capacity), and with its
+   multiple of the tier's TTFT target (admission past capacity; a request expecting k > 1
+   times the traffic's mean output is judged at k times its decode admission wait), and with its
    ``admit_tpot_factor`` when every option left is predicted past that multiple of the TPOT
    target (an option with no TPOT estimate passes); rank the rest with the
    picker; apply the ladder: throttle (refuse tiers that may be throttled, with a retry
@@ -52,11 +53,7 @@ import random
 from collections.abc import Callable
 
 from .config import Profile
-from .decision import (
-    Decision,
-    DecisionRecord,
-    RejectClass,
-)
+from .decision import Decision, DecisionRecord, RejectClass
 from .domain import DecisionKind, Mode, Request, ResourceNeed, Role, Tier
 from .fleet import Fleet, ModelIndex
 from .framework import Candidate, Option, RequestContext
@@ -274,11 +271,11 @@ class Planner:
             )
         slo = prof.slo_objective
         if slo is not None and slo.admit_ttft_factor > 0:
-            # admission: every option predicted past factor x the tier's TTFT target, the
-            # fleet is past capacity for the tier; refused now (with a retry delay) a request
-            # does not queue before ones that can still make theirs. A prompt too long for the
-            # limit on every worker is served while it waits no longer than it works (an idle
-            # fleet never refuses; bench/README.md, 2026-12-06, "Token-true views")
+            # admission: every option predicted past factor x the tier's TTFT target (with
+            # admit_extra_ms, a long output's slot held longer), the fleet is past capacity for
+            # the tier; refused now (with a retry delay) a request does not queue before ones
+            # that can still make theirs. A prompt too long for the limit on every worker is
+            # served while it waits no longer than it works (an idle fleet never refuses)
             limit = tier.ttft_ms * slo.admit_ttft_factor
             too_long = bool(options) and min(own_ms(o) for o in options) > limit
             limits.append(
@@ -286,7 +283,10 @@ class Planner:
                     "admission_ttft_ms",
                     "ttft_over_admission_limit",
                     limit,
-                    lambda o: o.ttft_ms <= limit or (too_long and o.ttft_ms <= 2.0 * own_ms(o)),
+                    lambda o: (
+                        o.ttft_ms + o.admit_extra_ms <= limit
+                        or (too_long and o.ttft_ms <= 2.0 * own_ms(o))
+                    ),
                     None,
                 )
             )

@@ -168,8 +168,9 @@ class WorkerState:
 
         Continuous batching admits a sequence only while the batch is below
         ``max_batch_size`` and its KV fits; otherwise it waits for running sequences to
-        finish. With ``B`` sequences running, each living about ``L = seq_steps`` decode
-        steps, about ``B / L`` finish per step (steady state), so
+        finish. With ``B`` sequences running, each living ``L = seq_steps`` decode steps on
+        average (the traffic's mean output), about ``B / L`` finish per step (Little's law,
+        steady state), so
 
         * slots: ``deficit = B + Q + 1 - max_batch`` (``Q``: sequences queued or routed
           here ahead of this one) waits ``deficit x L / B`` steps;
@@ -233,21 +234,32 @@ class PromptMix:
     follows a shift in the mix within seconds at a few requests per second yet does not jump
     with one outlier. The value reported is rounded to a geometric grid (steps of x1.25),
     so consecutive snapshots mostly keep the same reference and reuse their workers'
-    capacity entries (``Fleet.build(previous=..)``)."""
+    capacity entries (``Fleet.build(previous=..)``).
+
+    With ``initial_tokens=None`` the mix has no prior: the first sample sets the mean and
+    :meth:`ref_tokens` is 0 (unknown) until then. The scheduler keeps one such over the
+    requests' expected outputs (``Fleet.build``'s ``ref_output_tokens``: how many decode
+    steps a running sequence lives, which sets how fast a full batch frees a slot)."""
 
     __slots__ = ("alpha", "mean")
 
-    def __init__(self, initial_tokens: float = 1024.0, alpha: float = 0.02) -> None:
+    def __init__(self, initial_tokens: float | None = 1024.0, alpha: float = 0.02) -> None:
         if not 0.0 < alpha <= 1.0:
             raise ValueError("alpha must be in (0, 1]")
         self.alpha = alpha
-        self.mean = max(1.0, initial_tokens)
+        self.mean = 0.0 if initial_tokens is None else max(1.0, initial_tokens)
 
-    def observe(self, prompt_tokens: int) -> None:
-        if prompt_tokens > 0:
-            self.mean += self.alpha * (prompt_tokens - self.mean)
+    def observe(self, tokens: int) -> None:
+        if tokens > 0:
+            if self.mean <= 0.0:
+                self.mean = float(tokens)
+            else:
+                self.mean += self.alpha * (tokens - self.mean)
 
     def ref_tokens(self) -> int:
-        """The mean on the grid 1.25^k, at least 16 tokens."""
+        """The mean on the grid 1.25^k, at least 16 tokens; 0 before any sample when the
+        mix has no prior."""
+        if self.mean <= 0.0:
+            return 0
         k = round(math.log(max(self.mean, 16.0)) / _GRID_LOG)
         return max(16, round(math.exp(k * _GRID_LOG)))
