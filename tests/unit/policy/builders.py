@@ -29,6 +29,7 @@ from hpd_scheduler.policy import (
 )
 from hpd_scheduler.policy.domain import ResourceNeed
 from hpd_scheduler.policy.framework import RequestContext
+from hpd_scheduler.policy.worker_state import WorkerState
 
 GIB = 1 << 30
 NOW = 1000.0
@@ -99,6 +100,13 @@ def worker(
     return WorkerView(
         spec, kv_available_bytes=int(kv_free_gib * GIB), health=health, load=load, **extra
     )
+
+
+def state(**kw: Any) -> WorkerState:
+    """The snapshot entry of one A100 decode worker built with ``worker(**kw)``."""
+    ws = Fleet.build([worker("d", gpu="A100-80G", **kw)], NOW).worker("d")
+    assert ws is not None
+    return ws
 
 
 def request(

@@ -197,6 +197,8 @@ class Fleet:
         self.kv_policy = DEFAULT_KV_POLICY
         self.staleness = StalenessPolicy()
         self.ref_tokens = 1024
+        # the traffic's mean expected output: how long a running sequence lives, so how fast
+        # a full batch frees a slot (WorkerState.admission_wait_ms); 0: unknown
         self.ref_output_tokens = 0
         self.built_at_s = 0.0
         self.prefix_heads: Mapping[int, Collection[str]] | None = None
@@ -225,27 +227,21 @@ class Fleet:
 
         ``previous``: the snapshot this one replaces. A worker whose spec is the very same
         object there (its load may have changed, its capability not) keeps its resolved GPU
-        and capacity, the costly part of a worker's entry, when the reference prompt is the
-        same; a service rebuilding every second for report confidence, or a simulator
-        building a fresh view of every worker per decision, then pays for the workers whose
-        capability changed, not the fleet.
+        and capacity, the costly part of its entry, when the reference prompt is the same: a
+        service rebuilding every second, or a simulator building a view per decision, pays
+        for the workers whose capability changed.
 
         ``prefix``: per worker id, its engine's tokens per block and the prefix keys it holds
         (``PrefixIndex.entries``: live views, so the snapshot sees blocks stored after it
         was built). ``prefix_heads``: per prompt-start key, the workers holding it
         (``PrefixIndex.heads``), so a decision finds a prompt's holders without a scan.
-
         ``known_prefills``: per worker id, how many of the prefills its load report shows
         waiting or running are plans the scheduler counts by their true prompt tokens (its
         reservations, or the view's ``pending_prefill_tokens``), so the report's queue is
         priced at the traffic's mean prompt only beyond them. ``inbound_transfers``: per
         decode worker id, the transfers on their way to it whose prefill elsewhere is not
-        done (``WorkerState.backlog_tokens`` says how both count).
-
-        ``ref_output_tokens``: the traffic's mean expected output (a ``PromptMix`` over the
-        outputs), how many decode steps a running sequence lives on average, which sets how
-        fast a full decode batch frees a slot (``WorkerState.admission_wait_ms``); 0 when
-        not known, and each request's own output stands for the others'."""
+        done (``WorkerState.backlog_tokens`` says how both count). ``ref_output_tokens``:
+        the traffic's mean expected output, 0 when unknown (the attribute says its use)."""
         fleet = cls()
         fleet.links = links or LinkModel()
         fleet.kv_policy = kv_policy
@@ -254,9 +250,8 @@ class Fleet:
         fleet.ref_output_tokens = max(0, ref_output_tokens)
         fleet.built_at_s = now_s
         fleet.prefix_heads = prefix_heads
-        reuse = previous.by_id if previous is not None else {}
-        if previous is not None and previous.ref_tokens != ref_prompt_tokens:
-            reuse = {}
+        same_ref = previous is not None and previous.ref_tokens == ref_prompt_tokens
+        reuse = previous.by_id if previous is not None and same_ref else {}
         if (
             previous is not None
             and previous.links is fleet.links
