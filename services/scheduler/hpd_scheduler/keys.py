@@ -17,6 +17,11 @@ once) stays inside one slot on Redis Cluster. `<p>` is the configurable prefix (
   records; a record pushed out of it past the cap (`record_index_cap`) is deleted too,
   once it is older than the reservation TTL, so records take at most about
   cap x record size (a few KB with its explanation) whatever the request rate.
+- `<p>:{sch}:learn:<key>` (list, at most the learner's window x 2, JSON samples oldest
+  first): what outcomes measured of a worker's prefill (`p:<worker>`) or a pool pair's
+  hand-off (`h:<prefill pool>><decode pool>`), shared by every replica
+  (`hpd_scheduler.learn_store`); `<p>:{sch}:learnk` (set) their keys; `<p>:{sch}:learnv`
+  (counter) bumped with every sample, so a replica reads them only when something changed;
 - `<p>:{sch}:dir:<worker>:<kind>` (string, TTL = directive repeat interval): the last
   directive value of that kind sent to the worker by any replica.
 
@@ -56,6 +61,17 @@ class SchedulerKeys:
     @property
     def index(self) -> str:
         return f"{self.base}idx"
+
+    def learned(self, key: str) -> str:
+        return f"{self.base}learn:{key}"
+
+    @property
+    def learned_keys(self) -> str:
+        return f"{self.base}learnk"
+
+    @property
+    def learned_version(self) -> str:
+        return f"{self.base}learnv"
 
     def directive(self, worker_id: str, kind: str) -> str:
         return f"{self.base}dir:{worker_id}:{kind}"

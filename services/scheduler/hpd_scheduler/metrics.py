@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from prometheus_client import Counter, Gauge, Histogram
 
 DECISIONS = Counter(
@@ -36,3 +39,34 @@ GROUP_COMMIT_BATCH = Histogram(
     "Schedule reservations written per script call (group commit).",
     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
 )
+_RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 4, 10, 40)
+TTFT_ESTIMATE_RATIO = Histogram(
+    "hpd_scheduler_ttft_estimate_ratio",
+    "Measured TTFT over the plan's estimate, per prefill worker and tier (1 = exact).",
+    ["worker", "tier"],
+    buckets=_RATIO_BUCKETS,
+)
+TPOT_ESTIMATE_RATIO = Histogram(
+    "hpd_scheduler_tpot_estimate_ratio",
+    "Measured TPOT over the plan's estimate, per decode worker and tier (1 = exact).",
+    ["worker", "tier"],
+    buckets=_RATIO_BUCKETS,
+)
+LEARNED_PREFILL_FIXED_MS = Gauge(
+    "hpd_scheduler_learned_prefill_fixed_ms",
+    "A worker's learned fixed cost per prefill request (ms; absent until learned).",
+    ["worker"],
+)
+LEARNED_PREFILL_SCALE = Gauge(
+    "hpd_scheduler_learned_prefill_scale",
+    "A worker's learned prefill compute time over its declared one (1 = as declared).",
+    ["worker"],
+)
+
+
+def export_learned(fits: Mapping[str, Any]) -> None:
+    """The learner's prefill fits (``learning.Fit`` under ``p:<worker>``) as gauges."""
+    for key, f in fits.items():
+        if key.startswith("p:"):
+            LEARNED_PREFILL_FIXED_MS.labels(worker=key[2:]).set(f.fixed_ms)
+            LEARNED_PREFILL_SCALE.labels(worker=key[2:]).set(f.scale)

@@ -7,11 +7,15 @@ from __future__ import annotations
 from typing import Any
 
 from hpd_common import auth
-from hpd_common.errors import NotFound, PermissionDenied
+from hpd_common.errors import NotFound, PermissionDenied, Unavailable
+from hpd_common.logging import get_logger
 from hpd_scheduler import metrics
 from hpd_scheduler.feedback import observation_from
+from hpd_scheduler.learning import samples_from
 from hpd_scheduler.snapshot import FleetSnapshot
 from hpd_scheduler.store import Totals
+
+log = get_logger("scheduler")
 
 
 class OutcomeReports(FleetSnapshot):
@@ -64,4 +68,42 @@ class OutcomeReports(FleetSnapshot):
             if obs is not None:
                 self.observed.observe(obs, now_ms / 1000.0)
                 self._changed.set()
+            await self._learn(plan, outcome, res.head or {})
         return res.released, res.first_report
+
+    async def _learn(
+        self, plan: dict[str, Any], outcome: dict[str, Any], head: dict[str, Any]
+    ) -> None:
+        """The outcome's samples for the learner: fitted here at once, shared with every
+        replica through the store; the estimate's error goes to the metrics."""
+        est = plan.get("estimates") or {}
+        tier = str(head.get("tier") or "")
+        created_ms = int(head.get("created_at_ms") or 0)
+        _error_metrics(plan, est, outcome, tier)
+        incarnations = self.incarnations()
+        got = samples_from(plan, outcome, created_ms, incarnations, self.clock.now_ms())
+        for key, sample in got:
+            self.observed.learner.add(key, sample, sample.inc)
+        metrics.export_learned(self.observed.learner.fits)
+        if got:
+            self._changed.set()
+            try:
+                await self.learn_store.push(got)
+            except Unavailable as exc:  # the release above stands; the sample is only lost
+                log.debug("learn_sample_lost", error=str(exc))
+
+
+def _error_metrics(
+    plan: dict[str, Any], est: dict[str, Any], outcome: dict[str, Any], tier: str
+) -> None:
+    """``actual / predicted`` TTFT per prefill worker and TPOT per decode worker."""
+    if not outcome.get("success"):
+        return
+    ttft, pred = float(outcome.get("ttft_ms") or 0.0), float(est.get("ttft_ms") or 0.0)
+    if ttft > 0 and pred > 0:
+        worker = str(plan.get("prefill_worker_id", ""))
+        metrics.TTFT_ESTIMATE_RATIO.labels(worker=worker, tier=tier).observe(ttft / pred)
+    tpot, pred = float(outcome.get("tpot_ms") or 0.0), float(est.get("tpot_ms") or 0.0)
+    if tpot > 0 and pred > 0:
+        worker = str(plan.get("decode_worker_id", ""))
+        metrics.TPOT_ESTIMATE_RATIO.labels(worker=worker, tier=tier).observe(tpot / pred)

@@ -99,6 +99,8 @@ def head_of(
                 "prefill_ms": _r(e.prefill_ms),
                 "ttft_ms": _r(e.ttft_ms),
                 "tpot_ms": _r(e.tpot_ms),
+                "prefill_nominal_ms": _r(e.prefill_nominal_ms),
+                "prefill_ahead": _r(e.prefill_ahead),
             },
             "fallbacks": [f.to_dict() for f in chain],
         }

@@ -64,6 +64,7 @@ from hpd_scheduler.feedback import ObservedEstimates
 from hpd_scheduler.group_commit import GroupCommit
 from hpd_scheduler.keys import SchedulerKeys
 from hpd_scheduler.kv_events import KvEventFollower
+from hpd_scheduler.learn_store import LearnStore
 from hpd_scheduler.outcomes import OutcomeReports
 from hpd_scheduler.policy import (
     ConfigError,
@@ -161,6 +162,8 @@ class SchedulerService(PolicyAndDirectives, OutcomeReports, RouteRecords, Schedu
             raise InvalidArgument(f"profile.{exc.key_path}", exc.message) from None
         self._policy = PolicyState(profile, Planner(profile), text, 1, clock.now_ms())
         self.observed = ObservedEstimates(settings.ewma_alpha)
+        self.learn_store = LearnStore(client, SchedulerKeys(settings.key_prefix))
+        self._incarnations: dict[str, int] = {}
         self._views: dict[str, tuple[int, int, WorkerView]] = {}
         self._links: tuple[int, LinkModel] = (-1, LinkModel())
         self._fleet: Fleet | None = None

@@ -24,6 +24,7 @@ from hpd_scheduler import metrics
 from hpd_scheduler.explanations import ExplanationWriter
 from hpd_scheduler.feedback import ObservedEstimates
 from hpd_scheduler.group_commit import GroupCommit
+from hpd_scheduler.learn_store import LearnStore
 from hpd_scheduler.policy import Fleet, LinkModel, WorkerView
 from hpd_scheduler.policy.prefix import PrefixIndex
 from hpd_scheduler.policy.worker_state import PromptMix
@@ -50,6 +51,8 @@ class SchedulerState:
     commits: GroupCommit
     informer: FleetInformer
     observed: ObservedEstimates
+    learn_store: LearnStore
+    _incarnations: dict[str, int]
     explanations: ExplanationWriter
     directives: DirectiveSender
     prefix: PrefixIndex
@@ -89,8 +92,13 @@ class FleetSnapshot(SchedulerState):
         fresh: dict[str, tuple[int, int, WorkerView]] = {}
         views: list[WorkerView] = []
         workers: dict[str, WorkerRecord] = self.informer.workers
+        incarnations = self._incarnations
         for wid, rec in workers.items():
-            ver = obs.version.get(wid, 0)
+            inc = rec.state.registered_at_ms
+            if incarnations.get(wid) != inc:
+                incarnations[wid] = inc  # a new engine: its predecessor's speed is not its
+                obs.learner.forget_incarnation(wid, inc)
+            ver = obs.version_of(wid)
             hit = cache.get(wid)
             if hit is not None and hit[0] == rec.revision and hit[1] == ver:
                 entry = hit
@@ -99,8 +107,11 @@ class FleetSnapshot(SchedulerState):
             fresh[wid] = entry
             views.append(entry[2])
         self._views = fresh
-        if self._links[0] != obs.links_version:
-            self._links = (obs.links_version, link_model(obs.link_gbps))
+        if self._links[0] != obs.links_version_of():
+            self._links = (
+                obs.links_version_of(),
+                link_model(obs.link_gbps, learned=obs.learner.links()),
+            )
         prefix = self.prefix
         if self.informer.synced:
             for wid in [w for w in prefix.entries if w not in workers]:
@@ -205,11 +216,24 @@ class FleetSnapshot(SchedulerState):
         return self._totals.get(worker_id, _ZERO)
 
     async def sync_reservations(self) -> None:
-        """Purge lapsed reservations, then mirror every replica's totals."""
+        """Purge lapsed reservations, then mirror every replica's totals; and take in the
+        learner's samples when another replica added some."""
         await self.store.purge(self.clock.now_ms())
         totals = await self.store.totals()
         for wid in set(self._totals) | set(totals):
             self._set_totals(wid, totals.get(wid, _ZERO))
+        await self.sync_learned()
+
+    def incarnations(self) -> dict[str, int]:
+        """Each known worker's incarnation (its registration time)."""
+        return {w: r.state.registered_at_ms for w, r in self.informer.workers.items()}
+
+    async def sync_learned(self) -> None:
+        stored = await self.learn_store.read_if_changed()
+        if stored is not None:
+            self.observed.learner.replace(stored, self.incarnations())
+            metrics.export_learned(self.observed.learner.fits)
+            self._changed.set()
 
     async def _sync_loop(self) -> None:
         while not self._stopping:

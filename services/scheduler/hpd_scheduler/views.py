@@ -12,7 +12,8 @@ Observed estimates (``feedback.py``) fill the figures the worker's own report la
 report's ``prefill_tokens_per_s`` / ``itl_p50_ms`` of 0 means "not measured" and is replaced
 by the outcome-fed average; a worker that never reported gets a report carrying only those
 averages, dated when the last outcome arrived, so the planner's staleness confidence
-applies to them exactly as to a report.
+applies to them exactly as to a report. The learner's fitted prefill speed, when it has
+one, is the view's ``learned`` figure, which the planner takes over both.
 """
 
 from __future__ import annotations
@@ -76,17 +77,23 @@ def view_of(
             itl_p50_ms=itl_obs.value if itl_obs else 0.0,
             prefill_tokens_per_s=tps_obs.value if tps_obs else 0.0,
         )
-    return WorkerView(spec, kv_available_bytes=free, health=health_of(rec), load=load)
+    learned = observed.learner.prefill(spec.worker_id) if observed is not None else None
+    return WorkerView(
+        spec, kv_available_bytes=free, health=health_of(rec), load=load, learned=learned
+    )
 
 
 def link_model(
-    observed: Mapping[tuple[str, str], Ewma], base: LinkModel | None = None
+    observed: Mapping[tuple[str, str], Ewma],
+    base: LinkModel | None = None,
+    learned: Mapping[tuple[str, str], Link] | None = None,
 ) -> LinkModel:
     """The link model with observed pool-pair rates as overrides (latency folded into the
-    rate, so 0 ms)."""
+    rate, so 0 ms), and the learner's fitted hand-offs (a latency and a rate) over both."""
     base = base or LinkModel()
     overrides = dict(base.pool_overrides)
     for pair, ewma in observed.items():
         if ewma.samples and ewma.value > 0:
             overrides[pair] = Link(gbps=ewma.value, latency_ms=0.0)
+    overrides.update(learned or {})
     return LinkModel(classes=base.classes, pool_overrides=overrides)

@@ -54,7 +54,10 @@ class Estimates:
     ``recompute_ms``: the decode worker's own prefill time for the prompt;
     ``ttft_ms``: prefill wait + prefill + hand-off; ``tpot_ms``: predicted decode step (with
     the SLO objective, its TPOT estimate: the step as the engine's prefills stretch it,
-    and a local prefill's stall on the batch it joins).
+    and a local prefill's stall on the batch it joins). ``prefill_nominal_ms``: the
+    declared cost model's time for the prefill work ahead and the request's own (before the
+    worker's measured corrections), ``prefill_ahead`` the requests queued ahead: what the
+    learner (``LearnedSpeed``) fits the measured prefill phase against.
     """
 
     kv_bytes: int
@@ -65,6 +68,8 @@ class Estimates:
     prefill_ms: float
     ttft_ms: float
     tpot_ms: float
+    prefill_nominal_ms: float = 0.0
+    prefill_ahead: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,6 +26,7 @@ __all__ = [
     "SCHEDULABLE_HEALTH",
     "DecisionKind",
     "Health",
+    "LearnedSpeed",
     "LoadReport",
     "Mode",
     "NetworkLocation",
@@ -96,6 +97,32 @@ class DecisionKind(enum.StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class LearnedSpeed:
+    """A worker's prefill speed as measured, not as declared (the scheduler's learner,
+    ``hpd_scheduler.learning``, fits it from reported outcomes; the simulator the same way).
+
+    The prefill phase of a request (from the moment it is sent to the engine to its first
+    token, queue included) takes ``fixed_ms x (1 + ahead) + scale x nominal_ms``:
+    ``nominal_ms`` is the declared cost model's time for the work queued ahead plus the
+    request's own, ``ahead`` the requests queued ahead (the queued prompt tokens at the
+    traffic's mean prompt), ``fixed_ms`` what the engine spends per request whatever its
+    length (HTTP, tokenizing, scheduling, the sampler; on a small model nearly all of it),
+    ``scale`` how many times slower than declared it computes. ``samples``: how many
+    outcomes the fit rests on. The planner uses the figures in place of the declared ones
+    with no clamp (the learner bounds them, with its reasons)."""
+
+    fixed_ms: float
+    scale: float
+    samples: int
+
+    def __post_init__(self) -> None:
+        if not (self.fixed_ms >= 0 and self.scale > 0):
+            raise InvalidInputError(
+                "learned", f"fixed_ms must be >= 0 and scale > 0, got {self.fixed_ms}, {self.scale}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerView:
     """One worker as the planner sees it: the worker's own spec (the one worker model,
     ``hpd_common.worker_model``, as the registry holds it) and what the scheduler knows
@@ -106,7 +133,9 @@ class WorkerView:
     this worker that the load report cannot show yet (requests planned but not started,
     and the prompt tokens of prefills planned here); they count as load
     (``WorkerState.backlog_tokens``; ``Fleet.build`` says which reported prefills they
-    stand for). ``hard_max_batch_size`` is the ceiling adaptive batching may raise
+    stand for). ``learned``: the prefill speed measured from outcomes (None until there
+    are enough; the declared GPU figures and the report then apply).
+    ``hard_max_batch_size`` is the ceiling adaptive batching may raise
     the cap to (0: the spec's ``max_batch_size`` is also the hard ceiling).
 
     The spec's figures the planner reads are set from the spec at construction (never
@@ -124,6 +153,7 @@ class WorkerView:
     pending_requests: int = 0
     pending_kv_bytes: int = 0
     pending_prefill_tokens: int = 0
+    learned: LearnedSpeed | None = None
     # the spec's figures as the planner reads them, set from ``spec`` alone (class docstring)
     stage: Stage = field(init=False)
     labels: Mapping[str, str] = field(init=False)

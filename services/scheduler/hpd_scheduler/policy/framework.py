@@ -143,8 +143,9 @@ class Candidate:
             run = cap.lin_ms * (n - k) + cap.quad_ms * (n * n - k * k)
         else:
             run = cap.lin_ms * n + cap.quad_ms * n * n
-        self.run_ms = (run if run > cap.floor_ms else cap.floor_ms) * m_p
-        self.wait_ms = (ws.backlog_tokens + ws.live_tokens) / cap.prefill_tps * 1000.0 * m_p
+        self.run_ms = (run if run > cap.floor_ms else cap.floor_ms) * m_p + ws.p_fixed
+        q = ws.backlog_tokens + ws.live_tokens
+        self.wait_ms = q / cap.prefill_tps * 1000.0 * m_p + q * ws.fixed_per_token
         self.kv_need = (prompt + request.expected_output_tokens) * cap.kv_bytes_per_token
         if role is _DECODE:
             # queued sequences get admitted too; this one holds its prompt plus, on average,

@@ -14,6 +14,8 @@ def plan_of(o: Option, request: Request, need: ResourceNeed) -> RoutePlan:
     """The route plan of the chosen option, with its estimates."""
     p, d = o.p, o.d
     transfer = o.mode is Mode.TRANSFER
+    ahead = p.ws.requests_ahead()
+    nominal = (p.wait_ms + p.run_ms - p.ws.p_fixed * (1.0 + ahead)) / p.ws.m_p
     return RoutePlan(
         resource_need=need,
         mode=o.mode,
@@ -35,6 +37,8 @@ def plan_of(o: Option, request: Request, need: ResourceNeed) -> RoutePlan:
             prefill_ms=p.run_ms,
             ttft_ms=o.ttft_ms,
             tpot_ms=o.tpot_ms or d.step_ms,
+            prefill_nominal_ms=max(nominal, 0.0),
+            prefill_ahead=ahead,
         ),
     )
 

@@ -38,6 +38,7 @@ class WorkerState:
         "conf",
         "ctx_tokens",
         "duty",
+        "fixed_per_token",
         "gpu_util",
         "held",
         "held_block_tokens",
@@ -52,9 +53,11 @@ class WorkerState:
         "live_tokens",
         "m_d",
         "m_p",
+        "p_fixed",
         "pool_id",
         "queue",
         "queue_max",
+        "ref_tokens",
         "reported_at_s",
         "view",
         "worker_id",
@@ -118,10 +121,24 @@ class WorkerState:
         self.ctx_tokens = used / cap.kv_bytes_per_token if cap.kv_bytes_per_token else 0.0
         c = self.conf
         m_p = 1.0
-        reported_tps: float = load.prefill_tokens_per_s if load is not None else 0.0
-        if reported_tps > 0 and c > 0:
-            ratio = min(max(cap.prefill_tps / reported_tps, _CLAMP_LO), _CLAMP_HI)
-            m_p = c * ratio + (1.0 - c)
+        # The prefill speed as measured (``LearnedSpeed``): the fitted scale of the declared
+        # compute time, unclamped, and a fixed cost per request, which the queued prompt
+        # tokens carry at the traffic's mean prompt (``fixed_per_token``), as the wait
+        # prices them. Without it, the report's prefill tokens/s corrects the declared
+        # speed within a clamp (a report alone cannot tell a fixed cost from a slow GPU).
+        learned = view.learned
+        self.ref_tokens = max(ref_tokens, 1)
+        self.p_fixed = 0.0
+        self.fixed_per_token = 0.0
+        if learned is not None:
+            m_p = learned.scale
+            self.p_fixed = learned.fixed_ms
+            self.fixed_per_token = learned.fixed_ms / self.ref_tokens
+        else:
+            reported_tps: float = load.prefill_tokens_per_s if load is not None else 0.0
+            if reported_tps > 0 and c > 0:
+                ratio = min(max(cap.prefill_tps / reported_tps, _CLAMP_LO), _CLAMP_HI)
+                m_p = c * ratio + (1.0 - c)
         self.m_p = m_p
         m_d = 1.0
         if self.itl_p50_ms > 0 and c > 0:
@@ -156,12 +173,19 @@ class WorkerState:
 
     def prefill_wait_ms(self) -> float:
         """Seconds of this worker's own prefill work queued ahead, in ms:
-        ``backlog tokens / (prefill tokens/s) x 1000 x m_p``."""
-        return (self.backlog_tokens + self.live_tokens) / self.cap.prefill_tps * 1000.0 * self.m_p
+        ``backlog tokens x (1000 x m_p / (prefill tokens/s) + fixed per token)``."""
+        q = self.backlog_tokens + self.live_tokens
+        return q / self.cap.prefill_tps * 1000.0 * self.m_p + q * self.fixed_per_token
 
     def prefill_ms(self, tokens: int) -> float:
-        """This worker's time to prefill ``tokens`` (observed-corrected)."""
-        return self.cap.prefill_ms(tokens) * self.m_p
+        """This worker's time to prefill ``tokens`` (observed-corrected, with the learned
+        fixed cost of a request)."""
+        return self.cap.prefill_ms(tokens) * self.m_p + self.p_fixed
+
+    def requests_ahead(self) -> float:
+        """The requests queued ahead of a new prefill here, as the wait prices them: the
+        queued prompt tokens at the traffic's mean prompt (``LearnedSpeed``'s ``ahead``)."""
+        return (self.backlog_tokens + self.live_tokens) / self.ref_tokens
 
     def admission_wait_ms(self, kv_need: int, seq_steps: float) -> float:
         """Expected wait, in ms, before a new sequence gets a decode slot on this worker.

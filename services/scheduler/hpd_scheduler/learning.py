@@ -1,0 +1,311 @@
+"""Speeds as measured: the prefill phase of every worker and the hand-off of every pool
+pair, fitted from reported outcomes. Pure (the Redis side is ``learn_store.py``).
+
+Why: a worker's declared GPU figures are a prior, not a measurement. On real engines the
+plan's TTFT was tens of times off (a small model's prefill is nearly all fixed cost per
+request: HTTP, tokenizing, scheduling, sampling, which FLOPs and bytes do not see), and a
+throttled, shared or misdeclared GPU runs at a fraction of its declaration. The load
+report's prefill tokens/s only nudges the declared speed within a clamp and cannot tell a
+fixed cost from a slow GPU; outcomes can, because they come with the plan's own terms.
+
+Two models, each a line through the origin in two terms (ms):
+
+* **prefill phase** of a worker (the request sent to the engine until its first token,
+  queue included; the gateway's measured ``prefill_ms`` for a transfer, the TTFT for a
+  request served whole on one worker): ``y = scale x nominal + fixed x (1 + ahead)``, with
+  ``nominal`` the declared cost model's time for the work queued ahead plus the request's
+  own (the plan's ``prefill_nominal_ms``) and ``ahead`` the requests queued ahead (the
+  plan's ``prefill_ahead``). Becomes the planner's ``LearnedSpeed``.
+* **hand-off** of a (prefill pool, decode pool) pair for transfers: from the prefill's end
+  to the first token (the KV pulled over the link, the decode engine's admission, its first
+  step): ``y = scale x kv_mb + fixed``. Becomes the pair's link override: latency
+  ``fixed``, rate ``8 / scale`` Gb/s.
+
+Fitted by iteratively reweighted least squares on *relative* residuals (the planner is
+judged by ``actual / predicted``) with Huber weights (k = 1.345, the usual 95 % efficiency
+choice), so a stalled request or a garbage collection pause weighs little; both terms are
+kept non-negative (a negative one is dropped and the other refitted alone). When the two
+terms cannot be told apart (every request alike and no queue), the whole cost goes on
+``scale``, the declared model's shape, which keeps waits growing with the queue.
+
+What must not poison it:
+
+* outliers: the Huber weights (tests: ``tests/unit/scheduler/test_learning.py``);
+* a change of speed (throttling, a noisy neighbour): only the last ``WINDOW`` samples
+  count, and when the last ``SHIFT_RUN`` all miss the fit on the same side by more than
+  ``SHIFT_FACTOR`` the samples before them are dropped: a worker that slowed down is
+  planned at its new speed after six requests, not after half a window;
+* a restart: every prefill sample carries its worker's incarnation (the registration
+  time); only the current incarnation's count, and a plan made before it teaches nothing;
+* an idle worker: nothing decays with time, an idle engine has not changed speed;
+* absurd figures: ``scale`` within ``SCALE_BOUNDS`` and ``fixed`` within ``FIXED_MAX_MS``
+  (a fit outside says the samples are broken, not the worker; the fit's ``note`` says so).
+
+``WINDOW`` 32, ``MIN_SAMPLES`` 4, ``SHIFT_RUN`` 6, ``SHIFT_FACTOR`` 1.5 are statistical
+choices, not fitted to a fleet: 4 is the fewest points on which a two-term fit with one
+outlier still has a majority; 6 same-side misses past 1.5x happen by chance with
+probability below 2^-6 even for an unbiased but noisy fit; 32 keeps the fit's cost (once
+per change, off the request path) small.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hpd_scheduler.policy import LearnedSpeed, Link
+
+__all__ = [
+    "FIXED_MAX_MS",
+    "MIN_SAMPLES",
+    "SCALE_BOUNDS",
+    "SHIFT_FACTOR",
+    "SHIFT_RUN",
+    "WINDOW",
+    "Fit",
+    "Sample",
+    "SpeedLearner",
+    "fit",
+    "handoff_key",
+    "prefill_key",
+    "samples_from",
+]
+
+WINDOW = 32
+MIN_SAMPLES = 4
+SHIFT_RUN = 6
+SHIFT_FACTOR = 1.5
+SCALE_BOUNDS = (1e-3, 1e5)
+FIXED_MAX_MS = 120_000.0
+_HUBER_K = 1.345
+_ITERATIONS = 20
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One outcome's measurement: ``y`` ms against the terms ``x`` (nominal ms, or MB for a
+    hand-off) and ``ahead``; ``inc`` the worker's incarnation (0 for a hand-off),
+    ``at_ms`` when it was reported."""
+
+    x: float
+    ahead: float
+    y: float
+    inc: int = 0
+    at_ms: int = 0
+
+    def to_json(self) -> list[float | int]:
+        return [round(self.x, 6), round(self.ahead, 4), round(self.y, 3), self.inc, self.at_ms]
+
+    @staticmethod
+    def from_json(raw: Sequence[Any]) -> Sample | None:
+        """A sample from its stored form; None when it is not one."""
+        try:
+            x, ahead, y, inc, at = (float(raw[0]), float(raw[1]), float(raw[2]), raw[3], raw[4])
+            s = Sample(x, ahead, y, int(inc), int(at))
+        except (TypeError, ValueError, IndexError):
+            return None
+        ok = all(math.isfinite(v) for v in (s.x, s.ahead, s.y))
+        return s if ok and s.x >= 0 and s.ahead >= 0 and s.y > 0 else None
+
+
+@dataclass(frozen=True, slots=True)
+class Fit:
+    """``y = scale x x + fixed x (1 + ahead)``; ``samples`` it rests on; ``note`` says why
+    a figure sits at a bound or a term was dropped ('' when neither)."""
+
+    scale: float
+    fixed_ms: float
+    samples: int
+    note: str = ""
+
+    def predict(self, x: float, ahead: float = 0.0) -> float:
+        return self.scale * x + self.fixed_ms * (1.0 + ahead)
+
+
+def _solve(rows: Sequence[tuple[float, float, float]], w: Sequence[float]) -> tuple[float, float]:
+    """Weighted least squares of ``y ~ c1 a + c2 b`` with both coefficients >= 0."""
+    saa = sab = sbb = say = sby = 0.0
+    for (a, b, y), wi in zip(rows, w, strict=True):
+        saa += wi * a * a
+        sab += wi * a * b
+        sbb += wi * b * b
+        say += wi * a * y
+        sby += wi * b * y
+    det = saa * sbb - sab * sab
+    if saa > 0 and sbb > 0 and det > 1e-9 * saa * sbb:
+        c1 = (say * sbb - sby * sab) / det
+        c2 = (sby * saa - say * sab) / det
+        if c1 >= 0 and c2 >= 0:
+            return c1, c2
+        if c2 < 0:
+            return max(say / saa, 0.0), 0.0
+        return 0.0, max(sby / sbb, 0.0)
+    # the two terms cannot be told apart: the cost goes on the declared model's shape
+    if saa > 0:
+        return max(say / saa, 0.0), 0.0
+    return 0.0, max(sby / sbb, 0.0) if sbb > 0 else 0.0
+
+
+def _median(xs: Sequence[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+def _fit_rows(samples: Sequence[Sample]) -> tuple[float, float]:
+    """Huber IRLS on relative residuals (module docstring)."""
+    # columns scaled to a mean of 1, for the conditioning of the 2 x 2 system
+    ma = sum(s.x for s in samples) / len(samples) or 1.0
+    rows = [(s.x / ma, 1.0 + s.ahead, s.y) for s in samples]
+    base = [1.0 / (s.y * s.y) for s in samples]
+    w = list(base)
+    c1 = c2 = 0.0
+    for _ in range(_ITERATIONS):
+        c1, c2 = _solve(rows, w)
+        rel = [(y - c1 * a - c2 * b) / y for a, b, y in rows]
+        mad = _median([abs(r - _median(rel)) for r in rel]) * 1.4826
+        cut = _HUBER_K * max(mad, 1e-3)
+        w = [bw * (1.0 if abs(r) <= cut else cut / abs(r)) for bw, r in zip(base, rel, strict=True)]
+    return c1 / ma, c2
+
+
+def _bounded(scale: float, fixed: float, n: int) -> Fit:
+    lo, hi = SCALE_BOUNDS
+    notes = []
+    if scale < lo:
+        notes.append(f"scale {scale:.3g} raised to {lo:g}: the cost is all fixed per request")
+        scale = lo
+    elif scale > hi:
+        notes.append(f"scale {scale:.3g} cut to {hi:g}: the samples contradict the declaration")
+        scale = hi
+    if fixed > FIXED_MAX_MS:
+        notes.append(f"fixed {fixed:.0f} ms cut to {FIXED_MAX_MS:.0f}: not a request's cost")
+        fixed = FIXED_MAX_MS
+    return Fit(scale, fixed, n, "; ".join(notes))
+
+
+def fit(samples: Sequence[Sample]) -> Fit | None:
+    """The fit of the latest regime among the last ``WINDOW`` samples (oldest first), or
+    None with fewer than ``MIN_SAMPLES``."""
+    pts = list(samples[-WINDOW:])
+    if len(pts) < MIN_SAMPLES:
+        return None
+    c1, c2 = _fit_rows(pts)
+    tail = pts[-SHIFT_RUN:]
+    if len(pts) > SHIFT_RUN and len(tail) == SHIFT_RUN:
+        ratios = [s.y / max(c1 * s.x + c2 * (1.0 + s.ahead), 1e-9) for s in tail]
+        if all(r > SHIFT_FACTOR for r in ratios) or all(r < 1 / SHIFT_FACTOR for r in ratios):
+            pts = tail  # the worker changed speed: only what came since counts
+            c1, c2 = _fit_rows(pts)
+    return _bounded(c1, c2, len(pts))
+
+
+def prefill_key(worker_id: str) -> str:
+    return f"p:{worker_id}"
+
+
+def handoff_key(prefill_pool: str, decode_pool: str) -> str:
+    return f"h:{prefill_pool}>{decode_pool}"
+
+
+def samples_from(
+    plan: Mapping[str, Any],
+    outcome: Mapping[str, Any],
+    created_at_ms: int,
+    incarnations: Mapping[str, int],
+    now_ms: int,
+) -> list[tuple[str, Sample]]:
+    """What one successful outcome teaches (module docstring): a prefill sample of the
+    worker that prefilled, and for a transfer a hand-off sample of its pool pair. Nothing
+    from a failed outcome, from one served otherwise than planned (its terms were another
+    worker's), from a plan without the nominal terms (made by an older scheduler), or from
+    a plan made before its worker's current incarnation."""
+    if not outcome.get("success"):
+        return []
+    mode = plan.get("mode")
+    if (outcome.get("mode_used") or mode) != mode:
+        return []
+    est = plan.get("estimates") or {}
+    nominal = float(est.get("prefill_nominal_ms") or 0.0)
+    ahead = float(est.get("prefill_ahead") or 0.0)
+    ttft = float(outcome.get("ttft_ms") or 0.0)
+    prefill_ms = float(outcome.get("prefill_ms") or 0.0)
+    out: list[tuple[str, Sample]] = []
+    worker = str(plan.get("prefill_worker_id", ""))
+    inc = incarnations.get(worker, 0)
+    y = prefill_ms if mode == "transfer" else ttft
+    if worker and nominal > 0 and y > 0 and inc and created_at_ms >= inc:
+        out.append((prefill_key(worker), Sample(nominal, max(ahead, 0.0), y, inc, now_ms)))
+    kv = float(est.get("kv_bytes") or 0.0)
+    if mode == "transfer" and prefill_ms > 0 and ttft > prefill_ms and kv > 0:
+        key = handoff_key(str(plan.get("prefill_pool_id", "")), str(plan.get("decode_pool_id", "")))
+        out.append((key, Sample(kv / 1e6, 0.0, ttft - prefill_ms, 0, now_ms)))
+    return out
+
+
+class SpeedLearner:
+    """The samples and fits of every key (``prefill_key`` / ``handoff_key``).
+
+    ``version[worker]`` increments when a worker's prefill fit changes and
+    ``links_version`` when any hand-off fit does, so cached views know to rebuild. Every
+    replica holds the same samples (``learn_store``), so every replica fits the same."""
+
+    def __init__(self) -> None:
+        self.samples: dict[str, list[Sample]] = {}
+        self.fits: dict[str, Fit] = {}
+        self.version: dict[str, int] = {}
+        self.links_version = 0
+
+    def add(self, key: str, sample: Sample, incarnation: int = 0) -> None:
+        """One new sample, kept locally (the store shares it with the other replicas)."""
+        kept = self.samples.setdefault(key, [])
+        kept.append(sample)
+        del kept[: -2 * WINDOW]
+        self._refit(key, incarnation)
+
+    def replace(
+        self, stored: Mapping[str, Iterable[Sample]], incarnations: Mapping[str, int]
+    ) -> None:
+        """Every key's samples as the store holds them (oldest first)."""
+        for key, got in stored.items():
+            new = list(got)[-2 * WINDOW :]
+            if new != self.samples.get(key):
+                self.samples[key] = new
+                self._refit(key, incarnations.get(key[2:], 0) if key.startswith("p:") else 0)
+
+    def forget_incarnation(self, worker_id: str, incarnation: int) -> None:
+        """The worker registered anew: its fit of an earlier engine no longer applies."""
+        key = prefill_key(worker_id)
+        if key in self.samples or key in self.fits:
+            self._refit(key, incarnation)
+
+    def _refit(self, key: str, incarnation: int) -> None:
+        pts = self.samples.get(key, [])
+        if key.startswith("p:"):
+            pts = [s for s in pts if s.inc == incarnation]
+        new = fit(pts)
+        if new == self.fits.get(key):
+            return
+        if new is None:
+            self.fits.pop(key, None)
+        else:
+            self.fits[key] = new
+        if key.startswith("p:"):
+            self.version[key[2:]] = self.version.get(key[2:], 0) + 1
+        else:
+            self.links_version += 1
+
+    def prefill(self, worker_id: str) -> LearnedSpeed | None:
+        f = self.fits.get(prefill_key(worker_id))
+        return None if f is None else LearnedSpeed(f.fixed_ms, f.scale, f.samples)
+
+    def links(self) -> dict[tuple[str, str], Link]:
+        """The hand-off fits as link overrides (module docstring)."""
+        out: dict[tuple[str, str], Link] = {}
+        for key, f in self.fits.items():
+            if key.startswith("h:") and ">" in key:
+                src, dst = key[2:].split(">", 1)
+                out[(src, dst)] = Link(gbps=8.0 / f.scale, latency_ms=f.fixed_ms)
+        return out

@@ -1,0 +1,163 @@
+"""The learner (hpd_scheduler.learning): speeds measured from outcomes, robust to outliers,
+speed changes and restarts, the same on every replica; and the planner taking them."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from hpd_scheduler.learning import (
+    MIN_SAMPLES,
+    SCALE_BOUNDS,
+    SHIFT_RUN,
+    Sample,
+    SpeedLearner,
+    fit,
+    handoff_key,
+    prefill_key,
+    samples_from,
+)
+
+TRUE_FIXED_MS = 80.0
+TRUE_SCALE = 40.0
+
+
+def _truth(x: float, ahead: float, fixed: float = TRUE_FIXED_MS, scale: float = TRUE_SCALE) -> float:
+    return scale * x + fixed * (1.0 + ahead)
+
+
+def _draws(
+    n: int, rng: random.Random, fixed: float = TRUE_FIXED_MS, scale: float = TRUE_SCALE
+) -> list[Sample]:
+    """Prompts of varied length (nominal 0.1-3 ms), a queue of 0-3 ahead, 5 % noise."""
+    out = []
+    for _ in range(n):
+        x, ahead = rng.uniform(0.1, 3.0), float(rng.randint(0, 3))
+        out.append(Sample(x, ahead, _truth(x, ahead, fixed, scale) * rng.gauss(1.0, 0.05), 7))
+    return out
+
+
+def _rel_err(f_pred: float, truth: float) -> float:
+    return abs(f_pred / truth - 1.0)
+
+
+def test_a_worker_slower_than_declared_is_learned_within_a_bounded_number_of_observations() -> None:
+    rng = random.Random(1)
+    pts = _draws(8, rng)
+    assert fit(pts[: MIN_SAMPLES - 1]) is None  # too few to say
+    f = fit(pts)
+    assert f is not None
+    # 40x slower than declared plus an 80 ms fixed cost: after 8 outcomes the fit predicts
+    # the phase within 10 % over the range, and found both terms
+    for x, ahead in ((0.1, 0.0), (1.5, 1.0), (3.0, 3.0)):
+        assert _rel_err(f.predict(x, ahead), _truth(x, ahead)) < 0.1
+    assert f.fixed_ms == pytest.approx(TRUE_FIXED_MS, rel=0.15)
+    assert f.scale == pytest.approx(TRUE_SCALE, rel=0.25)
+
+
+def test_stalls_and_outliers_do_not_move_the_fit_past_a_bound() -> None:
+    rng = random.Random(2)
+    pts = _draws(32, rng)
+    for i in range(0, 32, 5):  # 7 of 32 are stalls: 20x the true time
+        pts[i] = Sample(pts[i].x, pts[i].ahead, pts[i].y * 20.0, 7)
+    pts[3] = Sample(pts[3].x, pts[3].ahead, 0.01, 7)  # and one absurdly fast
+    f = fit(pts)
+    assert f is not None
+    for x, ahead in ((0.2, 0.0), (2.0, 2.0)):
+        assert _rel_err(f.predict(x, ahead), _truth(x, ahead)) < 0.15
+
+
+def test_a_worker_that_slows_down_is_planned_at_its_new_speed_after_a_few_requests() -> None:
+    rng = random.Random(3)
+    old = _draws(32, rng)
+    slower = _draws(SHIFT_RUN, rng, fixed=4 * TRUE_FIXED_MS, scale=4 * TRUE_SCALE)
+    f = fit(old + slower)
+    assert f is not None
+    assert f.samples == SHIFT_RUN
+    assert _rel_err(f.predict(1.0, 1.0), _truth(1.0, 1.0, 4 * TRUE_FIXED_MS, 4 * TRUE_SCALE)) < 0.15
+    # one slow request alone does not do it
+    one = fit(old + slower[:1])
+    assert one is not None
+    assert _rel_err(one.predict(1.0, 1.0), _truth(1.0, 1.0)) < 0.1
+
+
+def test_when_the_terms_cannot_be_told_apart_the_cost_goes_on_the_declared_shape() -> None:
+    pts = [Sample(1.0, 0.0, 100.0 + i, 7) for i in range(8)]  # one length, no queue
+    f = fit(pts)
+    assert f is not None
+    assert f.fixed_ms == 0.0
+    assert f.scale == pytest.approx(103.5, rel=0.05)
+
+
+def test_figures_past_their_bounds_are_held_with_a_reason() -> None:
+    pts = [Sample(1e-9 * (i + 1), 0.0, 50.0, 7) for i in range(6)] + [
+        Sample(1e-9, 3.0, 200.0, 7) for _ in range(3)
+    ]
+    f = fit(pts)
+    assert f is not None
+    assert f.scale >= SCALE_BOUNDS[0]
+    assert f.note == "" or "scale" in f.note
+
+
+def test_a_restarted_engine_starts_from_its_declaration_again() -> None:
+    rng = random.Random(4)
+    learner = SpeedLearner()
+    for s in _draws(10, rng):
+        learner.add(prefill_key("p0"), s, incarnation=7)
+    got = learner.prefill("p0")
+    assert got is not None
+    assert got.samples == 10
+    v = learner.version["p0"]
+    learner.forget_incarnation("p0", 9)  # registered anew
+    assert learner.prefill("p0") is None
+    assert learner.version["p0"] == v + 1
+    fast = [Sample(s.x, s.ahead, s.y / 4, 9) for s in _draws(MIN_SAMPLES, rng)]
+    for s in fast:
+        learner.add(prefill_key("p0"), s, incarnation=9)
+    again = learner.prefill("p0")
+    assert again is not None
+    assert again.samples == MIN_SAMPLES  # only the new engine's samples
+
+
+def test_replicas_with_the_same_samples_learn_the_same_figures() -> None:
+    rng = random.Random(5)
+    stored = {prefill_key("p0"): _draws(20, rng), handoff_key("a", "b"): _draws(12, rng)}
+    a, b = SpeedLearner(), SpeedLearner()
+    a.replace(stored, {"p0": 7})
+    b.replace({k: list(v) for k, v in reversed(stored.items())}, {"p0": 7})
+    assert a.fits == b.fits
+    assert a.prefill("p0") == b.prefill("p0")
+    assert a.links() == b.links()
+    link = a.links()[("a", "b")]
+    assert link.latency_ms == pytest.approx(a.fits[handoff_key("a", "b")].fixed_ms)
+
+
+def test_an_outcome_teaches_the_prefill_phase_and_the_hand_off() -> None:
+    plan = {
+        "mode": "transfer",
+        "prefill_worker_id": "p0",
+        "prefill_pool_id": "pp",
+        "decode_pool_id": "dp",
+        "estimates": {"prefill_nominal_ms": 2.0, "prefill_ahead": 1.0, "kv_bytes": 3_000_000},
+    }
+    outcome = {"success": True, "ttft_ms": 150.0, "prefill_ms": 120.0}
+    got = dict(samples_from(plan, outcome, 1_000, {"p0": 500}, 2_000))
+    assert got[prefill_key("p0")] == Sample(2.0, 1.0, 120.0, 500, 2_000)
+    assert got[handoff_key("pp", "dp")] == Sample(3.0, 0.0, 30.0, 0, 2_000)
+    # a plan made before the engine's restart, a failure, or another mode teach nothing
+    assert prefill_key("p0") not in dict(samples_from(plan, outcome, 400, {"p0": 500}, 2_000))
+    assert samples_from(plan, {**outcome, "success": False}, 1_000, {"p0": 500}, 2_000) == []
+    local = {**outcome, "mode_used": "recompute"}
+    assert samples_from(plan, local, 1_000, {"p0": 500}, 2_000) == []
+    # served whole on one worker: the TTFT is its prefill phase
+    whole = {**plan, "mode": "same_pool"}
+    got = dict(samples_from(whole, outcome, 1_000, {"p0": 500}, 2_000))
+    assert got == {prefill_key("p0"): Sample(2.0, 1.0, 150.0, 500, 2_000)}
+
+
+def test_stored_samples_read_back_and_garbage_is_dropped() -> None:
+    s = Sample(1.5, 2.0, 99.0, 7, 123)
+    assert Sample.from_json(s.to_json()) == s
+    for bad in ([], ["x", 1, 2, 3, 4], [1, 1, -5, 1, 1], [float("nan"), 0, 1, 1, 1]):
+        assert Sample.from_json(bad) is None
