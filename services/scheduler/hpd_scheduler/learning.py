@@ -95,6 +95,11 @@ class Sample:
     inc: int = 0
     at_ms: int = 0
 
+    def stored(self) -> Sample:
+        """The sample as it reads back from the store (rounded), so the replica that took
+        it fits the same figures as the ones that read it."""
+        return Sample.from_json(self.to_json()) or self
+
     def to_json(self) -> list[float | int]:
         return [round(self.x, 6), round(self.ahead, 4), round(self.y, 3), self.inc, self.at_ms]
 
@@ -237,11 +242,12 @@ def samples_from(
     inc = incarnations.get(worker, 0)
     y = prefill_ms if mode == "transfer" else ttft
     if worker and nominal > 0 and y > 0 and inc and created_at_ms >= inc:
-        out.append((prefill_key(worker), Sample(nominal, max(ahead, 0.0), y, inc, now_ms)))
+        sample = Sample(nominal, max(ahead, 0.0), y, inc, now_ms).stored()
+        out.append((prefill_key(worker), sample))
     kv = float(est.get("kv_bytes") or 0.0)
     if mode == "transfer" and prefill_ms > 0 and ttft > prefill_ms and kv > 0:
         key = handoff_key(str(plan.get("prefill_pool_id", "")), str(plan.get("decode_pool_id", "")))
-        out.append((key, Sample(kv / 1e6, 0.0, ttft - prefill_ms, 0, now_ms)))
+        out.append((key, Sample(kv / 1e6, 0.0, ttft - prefill_ms, 0, now_ms).stored()))
     return out
 
 

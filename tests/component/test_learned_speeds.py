@@ -1,0 +1,83 @@
+"""Speeds learned from outcomes, through the scheduler's API: a worker that runs slower
+than it declares is planned at its measured speed, every replica learns the same figures
+from the samples they share in Redis, and the estimates' error is exported."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from prometheus_client import REGISTRY
+
+from hetero_pd.v1 import common_pb2 as c
+from hetero_pd.v1 import scheduler_pb2 as s
+from hpd_scheduler.learning import MIN_SAMPLES
+from hpd_tools.embedded_redis import EmbeddedRedis
+from tests.support.scheduler import IDLE, SchedulerHandle, own_scheduler, register, sched
+from tests.support.servers import RegistryHandle
+
+
+async def _until(cond: object, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():  # type: ignore[operator]
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not met in time")
+
+
+async def _pair(h: SchedulerHandle) -> tuple[str, str]:
+    """One worker serving both stages and nothing else for its model (every plan is
+    local on it: its TTFT is its prefill phase)."""
+    p = h.registry.prefix
+    wid = f"{p}-both"
+    await register(
+        h.registry, wid, IDLE, pool_id=f"{p}-pool", stages=(c.STAGE_PREFILL, c.STAGE_DECODE),
+        gpu="H100-SXM", kv_gib=40, model="learn-model",
+    )  # fmt: skip
+    await h.settle([wid])
+    return wid, "learn-model"
+
+
+async def test_replicas_plan_a_slow_worker_at_the_speed_either_one_measured(
+    redis_server: EmbeddedRedis, registry: RegistryHandle
+) -> None:
+    async with (
+        own_scheduler(redis_server.url, registry, scheduler_id="a") as a,
+        own_scheduler(redis_server.url, registry, scheduler_id="b") as b,
+    ):
+        assert a.service is not None and b.service is not None
+        wid, model = await _pair(a)
+        await b.settle([wid])
+        await a.stub.Schedule(sched("ls-0", prompt=800, model=model), timeout=5)
+        ws = a.service.fleet().worker(wid)
+        assert ws is not None
+        cap = ws.cap  # the declared speed (one request at a time: nothing queued ahead)
+        # the engine really takes 50 ms per request plus 30x its declared compute
+        for i in range(MIN_SAMPLES + 4):
+            rid, prompt = f"ls-{i}", 800 if i == 0 else 400 + 150 * i
+            if i:
+                await a.stub.Schedule(sched(rid, prompt=prompt, model=model), timeout=5)
+            ttft = 50.0 + 30.0 * cap.prefill_ms(prompt)
+            await a.stub.ReportOutcome(
+                s.ReportOutcomeRequest(request_id=rid, success=True, ttft_ms=ttft, tpot_ms=20),
+                timeout=5,
+            )
+            if a.service.observed.learner.prefill(wid) is not None:
+                break
+        learned_a = a.service.observed.learner.prefill(wid)
+        assert learned_a is not None
+        assert learned_a.scale > 4.0  # past the report's clamp
+        # replica b never saw an outcome: it takes the samples from Redis
+        await _until(lambda: b.service.observed.learner.prefill(wid) == learned_a)  # type: ignore[union-attr]
+        await b.settle([wid])
+        later = await b.stub.Schedule(sched("ls-b", prompt=800, model=model), timeout=5)
+        e = later.plan.estimates
+        assert e.prefill_wait_ms + e.prefill_ms == pytest.approx(
+            50.0 + 30.0 * cap.prefill_ms(800), rel=0.05
+        )
+        ratio = REGISTRY.get_sample_value(
+            "hpd_scheduler_ttft_estimate_ratio_count", {"worker": wid, "tier": "standard"}
+        )
+        assert ratio is not None and ratio >= MIN_SAMPLES
