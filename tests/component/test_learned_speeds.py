@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import pytest
 from prometheus_client import REGISTRY
@@ -18,10 +19,10 @@ from tests.support.scheduler import IDLE, SchedulerHandle, own_scheduler, regist
 from tests.support.servers import RegistryHandle
 
 
-async def _until(cond: object, timeout_s: float = 5.0) -> None:
+async def _until(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if cond():  # type: ignore[operator]
+        if cond():
             return
         await asyncio.sleep(0.02)
     raise AssertionError("condition not met in time")
@@ -70,7 +71,8 @@ async def test_replicas_plan_a_slow_worker_at_the_speed_either_one_measured(
         assert learned_a is not None
         assert learned_a.scale > 4.0  # past the report's clamp
         # replica b never saw an outcome: it takes the samples from Redis
-        await _until(lambda: b.service.observed.learner.prefill(wid) == learned_a)  # type: ignore[union-attr]
+        learner_b = b.service.observed.learner
+        await _until(lambda: learner_b.prefill(wid) == learned_a)
         await b.settle([wid])
         later = await b.stub.Schedule(sched("ls-b", prompt=800, model=model), timeout=5)
         e = later.plan.estimates

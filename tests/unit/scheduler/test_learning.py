@@ -23,7 +23,9 @@ TRUE_FIXED_MS = 80.0
 TRUE_SCALE = 40.0
 
 
-def _truth(x: float, ahead: float, fixed: float = TRUE_FIXED_MS, scale: float = TRUE_SCALE) -> float:
+def _truth(
+    x: float, ahead: float, fixed: float = TRUE_FIXED_MS, scale: float = TRUE_SCALE
+) -> float:
     return scale * x + fixed * (1.0 + ahead)
 
 
