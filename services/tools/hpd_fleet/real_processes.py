@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from hpd_fleet.cgroups import CpuQuota
 from hpd_fleet.real_install import say
 
 __all__ = [
@@ -97,6 +98,7 @@ class EngineSpec:
     dtype: str = "bfloat16"
     kv_events_port: int = 0  # publish KV cache events on this ZMQ port (0 = off)
     kv_replay_port: int = 0  # and answer replay requests on this one (0 = no replay)
+    cpu_quota: float = 0.0  # CPU time in cores (cgroup quota; 0 = none): a slower engine
 
 
 @dataclass
@@ -110,6 +112,7 @@ class EngineProcess:
     proc: subprocess.Popen[bytes] | None = None
     starts: int = 0
     _log_file: IO[bytes] | None = field(default=None, repr=False)
+    quota: CpuQuota | None = field(default=None, repr=False)
 
     @property
     def url(self) -> str:
@@ -164,6 +167,10 @@ class EngineProcess:
             # every thread of the engine on its core (the NIXL progress thread spins, and
             # unpinned it takes its share of the other engine's core)
             cmd = ["taskset", "-c", str(s.core), *cmd]
+        if s.cpu_quota > 0:
+            # in its cgroup from its first instruction (hpd_fleet.cgroups)
+            self.quota = CpuQuota(s.name, s.cpu_quota)
+            cmd = self.quota.wrap(cmd)
         self.proc = subprocess.Popen(
             cmd,
             env=env,
@@ -231,6 +238,9 @@ class EngineProcess:
         # children left behind by a SIGKILLed parent are in the same group
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
+        if self.quota is not None:
+            self.quota.remove()
+            self.quota = None
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None

@@ -119,28 +119,12 @@ class WorkerState:
         self.kv_avail = max(0, view.kv_available_bytes - view.pending_kv_bytes)
         used = max(0, view.kv_memory_total_bytes - view.kv_available_bytes)
         self.ctx_tokens = used / cap.kv_bytes_per_token if cap.kv_bytes_per_token else 0.0
-        c = self.conf
-        m_p = 1.0
-        # The prefill speed as measured (``LearnedSpeed``): the fitted scale of the declared
-        # compute time, unclamped, and a fixed cost per request, which the queued prompt
-        # tokens carry at the traffic's mean prompt (``fixed_per_token``), as the wait
-        # prices them. Without it, the report's prefill tokens/s corrects the declared
-        # speed within a clamp (a report alone cannot tell a fixed cost from a slow GPU).
-        learned = view.learned
         self.ref_tokens = max(ref_tokens, 1)
         self.p_fixed = 0.0
         self.fixed_per_token = 0.0
-        if learned is not None:
-            m_p = learned.scale
-            self.p_fixed = learned.fixed_ms
-            self.fixed_per_token = learned.fixed_ms / self.ref_tokens
-        else:
-            reported_tps: float = load.prefill_tokens_per_s if load is not None else 0.0
-            if reported_tps > 0 and c > 0:
-                ratio = min(max(cap.prefill_tps / reported_tps, _CLAMP_LO), _CLAMP_HI)
-                m_p = c * ratio + (1.0 - c)
-        self.m_p = m_p
+        self.m_p = self._prefill_scale(view, cap)
         m_d = 1.0
+        c = self.conf
         if self.itl_p50_ms > 0 and c > 0:
             nominal = cap.decode_step_ms(self.ctx_tokens)
             ratio = min(max(self.itl_p50_ms / nominal, _CLAMP_LO), _CLAMP_HI)
@@ -154,6 +138,28 @@ class WorkerState:
         # the prefix keys this worker's engine holds (policy.prefix), None when unknown
         self.held: Container[int] | None = None
         self.held_block_tokens = 0
+
+    def _prefill_scale(self, view: WorkerView, cap: Capacity) -> float:
+        """The factor on the declared prefill time (``m_p``), setting the fixed cost.
+
+        The prefill speed as measured (``LearnedSpeed``): the fitted scale of the declared
+        compute time, unclamped, and a fixed cost per request, which the queued prompt
+        tokens carry at the traffic's mean prompt (``fixed_per_token``), as the wait prices
+        them. Without it, the report's prefill tokens/s corrects the declared speed within
+        a clamp, weighed by the report's freshness (a report alone cannot tell a fixed cost
+        from a slow GPU)."""
+        learned = view.learned
+        if learned is not None:
+            self.p_fixed = learned.fixed_ms
+            self.fixed_per_token = learned.fixed_ms / self.ref_tokens
+            return learned.scale
+        load = view.load
+        c = self.conf
+        reported_tps: float = load.prefill_tokens_per_s if load is not None else 0.0
+        if reported_tps > 0 and c > 0:
+            ratio = min(max(cap.prefill_tps / reported_tps, _CLAMP_LO), _CLAMP_HI)
+            return c * ratio + (1.0 - c)
+        return 1.0
 
     # -- live figures (snapshot + reservations) -------------------------------------------
 

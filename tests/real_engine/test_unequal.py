@@ -1,0 +1,108 @@
+"""Two real engines declared identical, one of them throttled to a quarter of a core
+(a cgroup CPU quota, ``hpd_fleet.cgroups``): only measurement can tell them apart.
+
+Both serve both stages without a KV connector (``cache_pair``'s engines: two NIXL engines
+and a third do not fit the machine's two cores, see the conftest), so every request runs
+whole on the engine the scheduler picks and its TTFT is that engine's prefill phase. Their
+agents declare the same GPU type and figures; the scheduler's learner
+(``hpd_scheduler.learning``) fits each engine's speed from the gateway's outcomes.
+
+* after a warm-up of ``WARMUP`` requests one at a time (each engine needs the learner's
+  ``MIN_SAMPLES`` of its own; the slow one gets them because, unlearned, its declaration
+  makes it look fast), most prefills go to the fast engine;
+* the plans' TTFT estimates are within 25 % of the measured TTFT at the median;
+* with requests arriving together, the fast engine's queue makes the slow one the cheaper
+  for some of them.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.real_engine.conftest import RealFleet
+from tests.real_engine.test_gateway import record, why
+
+QUOTA_CORES = 0.25
+WARMUP = 16
+MEASURED = 24
+
+
+@pytest.fixture
+def unequal_pair(real: RealFleet) -> Iterator[RealFleet]:
+    """c0 at full speed on core 0, c1 under a quarter-core quota on core 1; afterwards c1
+    runs unthrottled again (restarted when a test asks for it)."""
+    slow = real.engines["cache1"]
+    if "c1" in real.agents:
+        real.agents.pop("c1").stop()
+    slow.kill()
+    slow.spec.cpu_quota = QUOTA_CORES
+    try:
+        real.run_workers("c0", "c1")
+        real.settle("c0", "c1")
+        yield real
+    finally:
+        if "c1" in real.agents:
+            real.agents.pop("c1").stop()
+        slow.kill()  # removes its cgroup
+        slow.spec.cpu_quota = 0.0
+
+
+def _complete(real: RealFleet, rid: str, prompt: list[int]) -> None:
+    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 4}).encode()
+    req = urllib.request.Request(
+        real.gateway_url + "/v1/completions",
+        data=body,
+        headers={"Content-Type": "application/json", "x-request-id": rid},
+    )
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        assert resp.status == 200
+
+
+def _prompt(rng: random.Random) -> list[int]:
+    """Token ids of a length between 32 and 700 (no prefix shared with anything)."""
+    return [rng.randrange(100, 900) for _ in range(rng.randrange(32, 700))]
+
+
+def test_the_throttled_engine_is_learned_and_planned_at_its_measured_speed(
+    unequal_pair: RealFleet,
+) -> None:
+    real = unequal_pair
+    rng = random.Random(time.monotonic_ns())
+    tag = time.monotonic_ns()
+    for i in range(WARMUP):
+        _complete(real, f"uneq-w{i}-{tag}", _prompt(rng))
+    warm = [record(real, f"uneq-w{i}-{tag}") for i in range(WARMUP)]
+    assert {r.plan.prefill_worker_id for r in warm} == {"c0", "c1"}, [why(r) for r in warm]
+    chosen: Counter[str] = Counter()
+    errors = []
+    for i in range(MEASURED):
+        rid = f"uneq-m{i}-{tag}"
+        _complete(real, rid, _prompt(rng))
+        rec = record(real, rid)
+        chosen[rec.plan.prefill_worker_id] += 1
+        assert rec.outcome.success, why(rec)
+        errors.append(abs(rec.outcome.ttft_ms / rec.plan.estimates.ttft_ms - 1.0))
+    print(f"\nprefills one at a time: {dict(chosen)}; |actual / predicted - 1| median "
+          f"{statistics.median(errors):.3f}, p90 {sorted(errors)[int(0.9 * len(errors))]:.3f}")  # fmt: skip
+    assert chosen["c0"] >= 0.8 * MEASURED, dict(chosen)
+    assert statistics.median(errors) < 0.25, sorted(errors)
+    # arriving together: the fast engine's queue makes the slow one the cheaper for some
+    burst: Counter[str] = Counter()
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        for b in range(3):
+            rids = [f"uneq-b{b}-{i}-{tag}" for i in range(8)]
+            list(pool.map(lambda rid: _complete(real, rid, _prompt(rng)), rids))
+            for rid in rids:
+                burst[record(real, rid).plan.prefill_worker_id] += 1
+    print(f"prefills in bursts of 8: {dict(burst)}")
+    assert burst["c1"] >= 1, dict(burst)
+    assert burst["c0"] > burst["c1"], dict(burst)
