@@ -75,10 +75,32 @@ class HttpReplay(Replay):
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=300),
         )
         try:
-            return await super().run(trace)
+            done = await super().run(trace)
         finally:
             await self._http.close()
             self._http = None
+        return await self._fill_plans(done)
+
+    async def _fill_plans(self, records: list[RequestRecord]) -> list[RequestRecord]:
+        """Records of requests the gateway served whose route record could not be read at
+        the time (a control plane too busy to answer within the client's timeout) get their
+        plan now, when it has time: a completed request is never reported without one
+        while its record exists."""
+        out = []
+        for rec in records:
+            if rec.status == "completed" and not rec.planned_mode:
+                got = await self._record(rec.request_id, wait_outcome=True, patient=True)
+                if got is not None and got.HasField("outcome") and not got.outcome.success:
+                    again = await self._record(rec.request_id + REPLAN_SUFFIX, True, True)
+                    got = again if again is not None else got
+                if got is not None:
+                    rec = self._planned(rec, got.plan, got.decision)
+                    used = (
+                        MODE_NAMES.get(got.outcome.mode_used, "") if got.HasField("outcome") else ""
+                    )
+                    rec = dataclasses.replace(rec, mode_used=used or rec.planned_mode)
+            out.append(rec)
+        return out
 
     async def _serve(self, base: RequestRecord) -> RequestRecord:
         cfg = self.config
@@ -182,17 +204,23 @@ class HttpReplay(Replay):
         except (aiohttp.ClientError, TimeoutError) as exc:
             return 599, f"gateway_unreachable:{type(exc).__name__}", first, last, tokens
 
-    async def _record(self, rid: str, wait_outcome: bool) -> s.RouteRecord | None:
+    async def _record(
+        self, rid: str, wait_outcome: bool, patient: bool = False
+    ) -> s.RouteRecord | None:
         """The request's route record (with its outcome when ``wait_outcome``: the gateway
         reports it just after the answer); None when there is none or the scheduler does not
-        answer."""
+        answer. ``patient``: a call that timed out or found the scheduler unavailable is
+        asked again (after the replay, nothing else waits on it)."""
         for _ in range(40 if wait_outcome else 1):
             try:
                 got = await self._stub.GetRouteRecord(
                     s.GetRouteRecordRequest(request_id=rid), timeout=self.config.rpc_timeout_s
                 )
             except grpc.aio.AioRpcError as exc:
-                if exc.code() is grpc.StatusCode.NOT_FOUND and wait_outcome:
+                code = exc.code()
+                retry = code is grpc.StatusCode.NOT_FOUND and wait_outcome
+                busy = code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+                if retry or (patient and busy):
                     await asyncio.sleep(0.05)
                     continue
                 return None

@@ -6,6 +6,8 @@ Definitions (the simulator's, ``hpd_sim.metrics``, whose percentile this uses):
   the *completed* requests of the tier.
 * SLO attainment: the share of *all* the tier's requests (rejected and failed ones count as
   misses) that completed with TTFT <= the tier's ``ttft_ms`` and TPOT <= its ``tpot_ms``.
+* admitted attainment: the same share over the requests the control plane *admitted*
+  (completed or failed, not refused): whether admission kept its promise.
 * goodput: SLO-meeting requests per emulated second of replay (``met / replay_s``), the
   single-run form of DistServe's goodput (which searches for the highest rate keeping
   attainment >= 90 %; ``hpd sim`` does that search); ``goodput_per_dollar_hour`` divides it
@@ -51,6 +53,7 @@ def _group(
     done = [r for r in records if r.completed]
     met = sum(_met(r, slo) for r in records)
     n = len(records)
+    admitted = sum(r.status != "rejected" for r in records)
     goodput = met / replay_s if replay_s > 0 else 0.0
     return {
         "requests": n,
@@ -61,6 +64,7 @@ def _group(
         "ttft_ms": _pcts([r.ttft_ms for r in done]),
         "tpot_ms": _pcts([r.tpot_ms for r in done if r.output_tokens > 1]),
         "slo_attainment": round(met / n, 4) if n else 0.0,
+        "admitted_attainment": round(met / admitted, 4) if admitted else None,
         "goodput_rps": round(goodput, 3),
         "goodput_per_dollar_hour": round(goodput / price, 4) if price > 0 else None,
         "modes": dict(collections.Counter(r.mode_used for r in done)),
@@ -102,6 +106,8 @@ def build_report(
         else 0.0
     )
     met_all = sum(_met(r, tier_slos.get(r.tier)) for r in records)
+    admitted = sum(r.status != "rejected" for r in records)
+    overall["admitted_attainment"] = round(met_all / admitted, 4) if admitted else None
     overall["goodput_rps"] = round(met_all / replay_s, 3) if replay_s > 0 else 0.0
     overall["goodput_per_dollar_hour"] = (
         round(overall["goodput_rps"] / price_per_hour, 4) if price_per_hour > 0 else None
@@ -150,16 +156,18 @@ def format_report(report: Mapping[str, Any]) -> str:
         f"({'all accounted for' if acc['accounted'] else 'ACCOUNTING MISMATCH'})",
         "",
         f"{'tier':<12}{'reqs':>6}{'TTFT p50/p90/p99 ms':>24}{'TPOT p50/p90/p99 ms':>24}"
-        f"{'SLO att.':>10}{'goodput/s':>11}",
+        f"{'SLO att.':>10}{'admitted':>10}{'goodput/s':>11}",
     ]
     rows = [*report["tiers"].items(), ("overall", report["overall"])]
     for name, g in rows:
         t, p = g["ttft_ms"], g["tpot_ms"]
         ttft = "/".join(_fmt(t[k]) for k in ("p50", "p90", "p99"))
         tpot = "/".join(_fmt(p[k]) for k in ("p50", "p90", "p99"))
+        adm = g.get("admitted_attainment")
+        admitted = "-" if adm is None else f"{adm * 100:.1f}%"
         lines.append(
             f"{name:<12}{g['requests']:>6}{ttft:>24}{tpot:>24}"
-            f"{g['slo_attainment'] * 100:>9.1f}%{g['goodput_rps']:>11.2f}"
+            f"{g['slo_attainment'] * 100:>9.1f}%{admitted:>10}{g['goodput_rps']:>11.2f}"
         )
     o = report["overall"]
     lines += [
@@ -189,6 +197,7 @@ _MODE_WORDS = {
     "recompute": "were prefilled again by their decode worker, because KV in the prefill "
     "side's format could not reach it or could not arrive sooner (recompute)",
     "same_pool": "ran both stages on one worker of a pool that serves both (same pool)",
+    "": "",
 }
 
 
@@ -209,9 +218,16 @@ def narrative(report: Mapping[str, Any]) -> str:
     modes = o.get("modes") or {}
     if modes:
         parts = [
-            f"{n} {_MODE_WORDS.get(m, m)}" for m, n in sorted(modes.items(), key=lambda kv: -kv[1])
+            f"{n} {_MODE_WORDS.get(m, m)}"
+            for m, n in sorted(modes.items(), key=lambda kv: -kv[1])
+            if m
         ]
         out.append("Of the completed ones, " + "; ".join(parts) + ".")
+        if modes.get(""):
+            out.append(
+                f"{modes['']} completed without their route record in reach (the control"
+                " plane did not answer for it): their plans are not in this report."
+            )
     workers = report.get("workers") or {}
     pools = sorted({w["pool"] for w in workers.values()}) if workers else []
     used = o.get("pools") or {}
@@ -235,9 +251,9 @@ def narrative(report: Mapping[str, Any]) -> str:
             out.append(
                 "Saturated refusals mean the fleet was past its capacity: the scheduler"
                 " refuses a request it predicts would miss its tier's TTFT target, or one no"
-                " decode worker has room for (a gateway answers 429 with Retry-After), so"
-                " the requests it admits keep their targets."
+                " decode worker has room for (a gateway answers 429 with Retry-After)."
             )
+    out.append(_admitted_words(report))
     for f in report.get("faults") or ():
         if str(f).startswith("Redis stopped") and rejects.get("no_capable_worker"):
             lease = report.get("lease_ttl_ms")
@@ -249,6 +265,33 @@ def narrative(report: Mapping[str, Any]) -> str:
                 " no_capable_worker refusals are."
             )
     return "\n".join(textwrap.wrap(" ".join(out), width=92))
+
+
+ADMITTED_PROMISE = 0.9
+"""The share of admitted requests per tier that must meet their targets for the report to
+say admission kept its promise (the issue's and DistServe's 90 %)."""
+
+
+def _admitted_words(report: Mapping[str, Any]) -> str:
+    """Whether the admitted requests kept their tier's targets, as measured, per tier."""
+    tiers = report.get("tiers") or {}
+    shares = {
+        name: t["admitted_attainment"]
+        for name, t in sorted(tiers.items())
+        if t.get("admitted_attainment") is not None
+    }
+    if not shares:
+        return ""
+    listed = ", ".join(f"{name} {share * 100:.0f} %" for name, share in shares.items())
+    if all(share >= ADMITTED_PROMISE for share in shares.values()):
+        return f"The requests it admitted kept their tier's targets ({listed} of them did)."
+    low = [name for name, share in shares.items() if share < ADMITTED_PROMISE]
+    return (
+        f"The admitted requests did not all keep their targets ({listed} of them did):"
+        f" {', '.join(low)} fell below {ADMITTED_PROMISE * 100:.0f} %, the fleet served"
+        " slower than the scheduler predicted when it admitted them (see the TTFT"
+        " percentiles above)."
+    )
 
 
 def write_report(report: Mapping[str, Any], records: Sequence[RequestRecord], out: Path) -> Path:

@@ -112,3 +112,25 @@ def test_record_to_dict_is_json_ready() -> None:
     d = rec(0, status="rejected").to_dict()
     assert d["ttft_ms"] is None and d["status"] == "rejected" and d["ladder_steps"] == []
     assert not any(isinstance(v, float) and math.isnan(v) for v in d.values())
+
+
+def test_the_closing_paragraph_says_whether_the_admitted_requests_kept_their_targets() -> None:
+    kept = [rec(i) for i in range(10)] + [rec(10, status="rejected")]
+    report = build_report(kept, SLOS, 5.0)
+    assert report["tiers"]["standard"]["admitted_attainment"] == 1.0
+    text = format_report(report).replace("\n", " ")
+    assert "kept their tier's targets (standard 100 % of them did)" in text
+    # half of the admitted ones missed TTFT: the paragraph says so, naming the tier
+    missed = [rec(i) for i in range(5)] + [rec(i, ttft_ms=900.0) for i in range(5, 10)]
+    report = build_report(missed, SLOS, 5.0)
+    assert report["tiers"]["standard"]["admitted_attainment"] == 0.5
+    text = format_report(report).replace("\n", " ")
+    assert "did not all keep their targets" in text
+    assert "kept their tier's targets" not in text
+
+
+def test_a_completed_request_without_its_plan_is_reported_as_such() -> None:
+    report = build_report([rec(0), rec(1, mode_used="")], SLOS, 1.0)
+    text = format_report(report).replace("\n", " ")
+    assert "1 completed without their route record in reach" in text
+    assert " ; " not in text
