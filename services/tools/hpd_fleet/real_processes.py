@@ -99,6 +99,11 @@ class EngineSpec:
     kv_events_port: int = 0  # publish KV cache events on this ZMQ port (0 = off)
     kv_replay_port: int = 0  # and answer replay requests on this one (0 = no replay)
     cpu_quota: float = 0.0  # CPU time in cores (cgroup quota; 0 = none): a slower engine
+    cpus: str = ""  # the CPUs its threads may run on ("0", "0-1"; "" = the one ``core``)
+    kv_cache_gib: float = 1.0  # its KV cache (VLLM_CPU_KVCACHE_SPACE)
+    kv_cache_dtype: str = ""  # vLLM's --kv-cache-dtype ("" = the model's dtype)
+    max_num_seqs: int = 0  # vLLM's --max-num-seqs (0 = its default)
+    nixl_threads: int = 0  # NIXL's UCX threads (0 = vLLM's default)
 
 
 @dataclass
@@ -131,8 +136,16 @@ class EngineProcess:
             "--host", "127.0.0.1", "--port", str(s.port),
         ]  # fmt: skip
         if s.role:
-            cfg = {"kv_connector": "NixlConnector", "kv_role": s.role, "kv_buffer_device": "cpu"}
+            cfg: dict[str, Any] = {
+                "kv_connector": "NixlConnector", "kv_role": s.role, "kv_buffer_device": "cpu"
+            }  # fmt: skip
+            if s.nixl_threads:
+                cfg["kv_connector_extra_config"] = {"num_threads": s.nixl_threads}
             cmd += ["--kv-transfer-config", json.dumps(cfg)]
+        if s.kv_cache_dtype:
+            cmd += ["--kv-cache-dtype", s.kv_cache_dtype]
+        if s.max_num_seqs:
+            cmd += ["--max-num-seqs", str(s.max_num_seqs)]
         if s.kv_events_port:
             events = {
                 "enable_kv_cache_events": True, "publisher": "zmq",
@@ -156,7 +169,11 @@ class EngineProcess:
 
     def start(self) -> None:
         s = self.spec
-        env = {**os.environ, **ENGINE_ENV, "VLLM_CPU_OMP_THREADS_BIND": str(s.core)}
+        cpus = s.cpus or str(s.core)
+        env = {
+            **os.environ, **ENGINE_ENV, "VLLM_CPU_OMP_THREADS_BIND": cpus,
+            "VLLM_CPU_KVCACHE_SPACE": f"{s.kv_cache_gib:g}",
+        }  # fmt: skip
         if s.side_channel_port:
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(s.side_channel_port)
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -166,7 +183,7 @@ class EngineProcess:
         if shutil.which("taskset"):
             # every thread of the engine on its core (the NIXL progress thread spins, and
             # unpinned it takes its share of the other engine's core)
-            cmd = ["taskset", "-c", str(s.core), *cmd]
+            cmd = ["taskset", "-c", cpus, *cmd]
         if s.cpu_quota > 0:
             # in its cgroup from its first instruction (hpd_fleet.cgroups)
             self.quota = CpuQuota(s.name, s.cpu_quota)
