@@ -1,0 +1,580 @@
+"""hetero-pd against the peer router on a real *unequal* fleet: the product's main claim,
+measured on real engines rather than in its own simulator.
+
+Setup (``hpd_fleet.real_fleet.FleetStack``, ``--fleet FILE``, default
+``bench/fleets/unequal.yaml``): the fleet file's vLLM engines (CPU build, the tiny model),
+each with its own CPU quota, cores, KV cache and connector; ``hpd up``; an agent per engine,
+**every agent declaring the same GPU figures** (only the scheduler's learner can tell the
+engines apart); ``hpd gateway``; and ``vllm-router`` over the same engines, restarted once
+per policy (regular mode for engines serving both stages, its P/D mode otherwise).
+
+Steps:
+
+1. **Unloaded latency and capacity, per engine, directly** (no proxy): each engine alone,
+   one request at a time (``UNLOADED`` requests: TTFT and TPOT), then ``CAPACITY_CLIENTS``
+   in flight for a few seconds (requests/s). The fleet's capacity is the sum.
+2. **SLOs from the fleet's own latency**: TTFT target ``TTFT_SLO_X`` x and TPOT target
+   ``TPOT_SLO_X`` x the median over every engine's unloaded requests, so the targets say
+   "about as fast as an average engine of this fleet serves a request alone, with room to
+   queue", whatever the fleet (DistServe sets SLOs as such multiples of the unloaded
+   latency). They become the gateway's ``standard`` tier (``ReloadPolicy``); the gateway's
+   requests are sent as that tier.
+3. **Traffic** drawn from public traces (``--mix``): the Azure LLM conversation trace
+   (prompt and output lengths; arrivals are Poisson at the offered rate), or a multi-turn
+   chat mix with shared prefixes (sessions whose every turn repeats the conversation so
+   far, under one of a few shared system prompts). Lengths are scaled to the tiny model's
+   context: prompts by ``budget / p99`` of the drawn prompts, with ``budget`` the model's
+   length less the largest output (so the trace's shape is kept and its longest requests
+   still fit), outputs likewise to at most ``MAX_OUTPUT`` tokens (CPU decode is slow; the
+   trace's outputs would make a point last minutes). Prompts are token ids, fresh per
+   request (no arm profits from another's prefix cache), except the chat mix's shared
+   parts, which are the same for every arm.
+4. **Warm-up** (``WARMUP_PER_ENGINE`` x engines requests through the gateway at a third of
+   the capacity): the scheduler's learner needs a few outcomes per engine before it plans
+   by measured speeds; these requests count in no figure.
+5. **Offered rates spanning the capacity**: ``RATES`` x the measured capacity (``--quick``:
+   fewer). At each rate every arm serves the same requests (same lengths and arrival
+   times); the arms' order alternates per rate, and the engines drain between points.
+   Open loop: a refusal (the gateway's 429) is not retried and counts as a miss.
+
+Figures (``--json``, one object):
+
+* ``goodput_vs_vllm_router_best`` (target >= 1.3): our goodput (requests/s meeting both
+  targets) over the best router policy's (the policy whose best goodput over the rates is
+  highest), at the rate where the better of the two peaks;
+* ``ttft_estimate_error_p50`` (target <= 0.15) / ``_p90`` (target <= 0.5):
+  ``|actual / predicted - 1|`` of the route records' outcome TTFT over the plan's estimate,
+  over every gateway request after the warm-up that completed;
+* ``sim_vs_real_goodput``: not measured by this version (null), see bench/README.md;
+* ``points``: per arm and rate, goodput, attainment, refused, TTFT and TPOT percentiles,
+  and the engines used; ``slo``, ``capacity_rps``, ``unloaded``.
+
+    .venv/bin/python bench/real_fleet.py --quick --json
+    .venv/bin/python bench/real_fleet.py --fleet bench/fleets/pd_pair.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import grpc
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from hetero_pd.v1 import scheduler_pb2 as s
+from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
+from hpd_fleet.real_fleet import FleetFile, FleetStack, load_fleet
+from hpd_sim.traces import load_trace
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_FLEET = HERE / "fleets" / "unequal.yaml"
+AZURE = HERE.parent / "data" / "traces" / "azure_llm_2023_conv.csv"
+
+UNLOADED = 6
+CAPACITY_CLIENTS = 4
+TTFT_SLO_X = 4.0
+TPOT_SLO_X = 3.0
+MAX_OUTPUT = 48
+WARMUP_PER_ENGINE = 8
+RATES = (0.5, 0.8, 1.1, 1.4)
+QUICK_RATES = (0.7, 1.2)
+POLICIES = ("round_robin", "power_of_two", "cache_aware", "random", "consistent_hash",
+            "sticky_least_loaded")  # fmt: skip
+QUICK_POLICIES = ("round_robin", "power_of_two", "cache_aware")
+"""Every policy of the pinned router that applies without KV events (``kv_aware`` needs the
+engines' KV event feed wired into the router: not run, see bench/README.md)."""
+VOCAB = (100, 1000)
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """One request of a point: arrival offset (s), prompt token ids, output tokens."""
+
+    at_s: float
+    prompt: tuple[int, ...]
+    max_tokens: int
+
+
+@dataclass
+class Result:
+    rid: str
+    status: int = 0  # HTTP status; 599: no answer
+    ttft_s: float = 0.0
+    tpot_s: float = 0.0
+    tokens: int = 0
+
+
+@dataclass
+class Point:
+    arm: str
+    rate_rps: float
+    results: list[Result] = field(default_factory=list)
+    window_s: float = 0.0
+    engines: dict[str, float] = field(default_factory=dict)
+
+
+# -- traffic ------------------------------------------------------------------------------
+
+
+def _scale(values: list[int], budget: int) -> list[int]:
+    """Lengths scaled so their 99th percentile is ``budget`` (the shape kept), each in
+    [1, budget]."""
+    p99 = sorted(values)[int(0.99 * (len(values) - 1))] or 1
+    return [max(1, min(budget, round(v * budget / p99))) for v in values]
+
+
+Shape = tuple[tuple[int, ...], int]
+
+
+def shapes(
+    mix: str, n: int, fleet: FleetFile, rng: random.Random
+) -> list[tuple[tuple[int, ...], int]]:
+    """``n`` (prompt token ids, output tokens) of the mix (module docstring, step 3)."""
+    budget = fleet.max_model_len - MAX_OUTPUT - 8
+    if mix == "azure":
+        trace = load_trace(AZURE).requests
+        drawn = [trace[rng.randrange(len(trace))] for _ in range(n)]
+        prompts = _scale([r.prompt_tokens for r in drawn], budget)
+        outputs = _scale([r.output_tokens for r in drawn], MAX_OUTPUT)
+        return [(_tokens(rng, p), o) for p, o in zip(prompts, outputs, strict=True)]
+    systems = [_tokens(rng, rng.randrange(64, 256)) for _ in range(4)]
+    out: list[Shape] = []
+    while len(out) < n:
+        convo = systems[rng.randrange(len(systems))]
+        for _ in range(rng.randrange(2, 6)):
+            convo = convo + _tokens(rng, rng.randrange(16, 96))
+            if len(convo) > budget:
+                break
+            answer = rng.randrange(8, MAX_OUTPUT + 1)
+            out.append((convo, answer))
+            convo = convo + _tokens(rng, answer)  # the answer, as the next turn sends it
+    return out[:n]
+
+
+def _tokens(rng: random.Random, n: int) -> tuple[int, ...]:
+    return tuple(rng.randrange(*VOCAB) for _ in range(n))
+
+
+def jobs_at(rate: float, window_s: float, mix: str, fleet: FleetFile, seed: int) -> list[Job]:
+    """Poisson arrivals at ``rate`` over ``window_s`` with the mix's shapes."""
+    rng = random.Random(seed)
+    times: list[float] = []
+    t = rng.expovariate(rate)
+    while t < window_s:
+        times.append(t)
+        t += rng.expovariate(rate)
+    got = shapes(mix, len(times), fleet, rng)
+    return [Job(at, p, o) for at, (p, o) in zip(times, got, strict=True)]
+
+
+def for_arm(jobs: list[Job], arm_index: int) -> list[Job]:
+    """The same jobs with their token ids shifted by a per-arm offset (a bijection on the
+    vocabulary): the lengths, arrival times and the prefixes shared inside the mix stay,
+    but no arm finds another's prompts in an engine's prefix cache."""
+    lo, hi = VOCAB
+    span, shift = hi - lo, 97 * (arm_index + 1)
+    return [
+        Job(j.at_s, tuple(lo + (t - lo + shift) % span for t in j.prompt), j.max_tokens)
+        for j in jobs
+    ]
+
+
+# -- the client ---------------------------------------------------------------------------
+
+
+async def stream_one(
+    http: aiohttp.ClientSession, url: str, job: Job, rid: str, headers: dict[str, str]
+) -> Result:
+    body = {"model": "tiny", "prompt": list(job.prompt), "max_tokens": job.max_tokens,
+            "ignore_eos": True, "stream": True, "temperature": 0}  # fmt: skip
+    res = Result(rid)
+    t0 = time.perf_counter()
+    first = last = 0.0
+    try:
+        async with http.post(url + "/v1/completions", json=body,
+                             headers={**headers, "x-request-id": rid}) as resp:  # fmt: skip
+            res.status = resp.status
+            if resp.status != 200:
+                await resp.read()
+                return res
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == b"[DONE]":
+                    break
+                event = json.loads(payload)
+                if "error" in event:
+                    res.status = 502
+                    return res
+                if event.get("choices"):
+                    last = time.perf_counter()
+                    res.tokens += 1
+                    if res.tokens == 1:
+                        first = last
+    except (aiohttp.ClientError, TimeoutError):
+        res.status = 599
+        return res
+    if res.tokens:
+        res.ttft_s = first - t0
+        res.tpot_s = (last - first) / (res.tokens - 1) if res.tokens > 1 else 0.0
+    else:
+        res.status = 502
+    return res
+
+
+async def run_point(
+    url: str, jobs: list[Job], arm: str, tag: str, headers: dict[str, str]
+) -> list[Result]:
+    """Every job sent at its arrival time (open loop); all answers awaited."""
+    timeout = aiohttp.ClientTimeout(total=300, sock_connect=10)
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0), timeout=timeout
+    ) as http:
+        t0 = time.perf_counter()
+
+        async def at(i: int, job: Job) -> Result:
+            await asyncio.sleep(max(0.0, t0 + job.at_s - time.perf_counter()))
+            return await stream_one(http, url, job, f"{tag}-{arm}-{i}", headers)
+
+        return list(await asyncio.gather(*(at(i, j) for i, j in enumerate(jobs))))
+
+
+# -- engines ------------------------------------------------------------------------------
+
+
+async def engine_counts(stack: FleetStack) -> dict[str, float]:
+    """Requests each engine has finished (``vllm:request_success_total``)."""
+    out: dict[str, float] = {}
+    async with aiohttp.ClientSession() as http:
+        for name, e in stack.engines.items():
+            async with http.get(e.url + "/metrics") as resp:
+                text = await resp.text()
+            total = 0.0
+            for fam in text_string_to_metric_families(text):
+                if fam.name == "vllm:request_success":
+                    total += sum(smp.value for smp in fam.samples if smp.name.endswith("_total"))
+            out[name] = total
+    return out
+
+
+async def drained(stack: FleetStack, timeout_s: float = 120.0) -> None:
+    """Until no engine has a request running or waiting."""
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as http:
+        while time.monotonic() < deadline:
+            busy = 0.0
+            for e in stack.engines.values():
+                async with http.get(e.url + "/metrics") as resp:
+                    text = await resp.text()
+                for fam in text_string_to_metric_families(text):
+                    if fam.name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+                        busy += sum(smp.value for smp in fam.samples)
+            if busy == 0:
+                return
+            await asyncio.sleep(0.5)
+
+
+async def closed_loop(
+    http: aiohttp.ClientSession, url: str, work: list[Shape], clients: int, seconds: float
+) -> float:
+    """Requests/s served with ``clients`` requests in flight for ``seconds``."""
+    done = 0
+    stop = time.perf_counter() + seconds
+
+    async def client(k: int) -> None:
+        nonlocal done
+        i = k
+        while time.perf_counter() < stop:
+            prompt, out = work[i % len(work)]
+            i += clients
+            done += (await stream_one(http, url, Job(0, prompt, out), "cap", {})).status == 200
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client(k) for k in range(clients)))
+    return done / (time.perf_counter() - t0)
+
+
+async def unloaded_and_capacity(
+    stack: FleetStack, mix: str, rng: random.Random, seconds: float
+) -> tuple[dict[str, Any], float]:
+    """Per engine: unloaded TTFT and TPOT (median of ``UNLOADED`` requests one at a time)
+    and requests/s with ``CAPACITY_CLIENTS`` in flight; the fleet's capacity is the sum."""
+    per: dict[str, dict[str, float]] = {}
+    ttfts: list[float] = []
+    tpots: list[float] = []
+    timeout = aiohttp.ClientTimeout(total=300)
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+        for name, e in stack.engines.items():
+            if stack.fleet.disaggregated:
+                continue  # a lone prefill or decode engine cannot serve a request
+            got = []
+            for i, (prompt, out) in enumerate(shapes(mix, UNLOADED, stack.fleet, rng)):
+                r = await stream_one(http, e.url, Job(0, prompt, out), f"u-{name}-{i}", {})
+                if r.status == 200:
+                    got.append(r)
+            ttfts += [r.ttft_s for r in got]
+            tpots += [r.tpot_s for r in got if r.tokens > 1]
+            work = shapes(mix, 400, stack.fleet, rng)
+            rps = await closed_loop(http, e.url, work, CAPACITY_CLIENTS, seconds)
+            per[name] = {
+                "ttft_ms_p50": statistics.median(r.ttft_s for r in got) * 1000 if got else 0.0,
+                "tpot_ms_p50": statistics.median(r.tpot_s for r in got) * 1000 if got else 0.0,
+                "capacity_rps": rps,
+            }
+            print(f"  {name}: unloaded TTFT {per[name]['ttft_ms_p50']:.0f} ms, TPOT "
+                  f"{per[name]['tpot_ms_p50']:.1f} ms, {rps:.2f} req/s at "
+                  f"{CAPACITY_CLIENTS} in flight", file=sys.stderr)  # fmt: skip
+            await drained(stack)
+    if stack.fleet.disaggregated:
+        per, ttfts, tpots = await _through_router(stack, mix, rng, seconds)
+    capacity = sum(v["capacity_rps"] for v in per.values())
+    unloaded = {
+        "ttft_ms_p50": statistics.median(ttfts) * 1000,
+        "tpot_ms_p50": statistics.median(tpots) * 1000,
+    }
+    figures: dict[str, Any] = {"engines": per, "fleet": unloaded}
+    return figures, capacity
+
+
+async def _through_router(
+    stack: FleetStack, mix: str, rng: random.Random, seconds: float
+) -> tuple[dict[str, dict[str, float]], list[float], list[float]]:
+    """For a disaggregated fleet: the unloaded figures and capacity through the router
+    (round robin), which runs vLLM's P/D hand-off (a lone prefill engine serves nothing)."""
+    url = stack.start_router("round_robin")
+    timeout = aiohttp.ClientTimeout(total=300)
+    got: list[Result] = []
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+        for i, (prompt, out) in enumerate(shapes(mix, UNLOADED * 2, stack.fleet, rng)):
+            r = await stream_one(http, url, Job(0, prompt, out), f"u-pd-{i}", {})
+            if r.status == 200:
+                got.append(r)
+        work = shapes(mix, 400, stack.fleet, rng)
+        rps = await closed_loop(http, url, work, CAPACITY_CLIENTS * len(stack.engines), seconds)
+    stack.stop_router()
+    await drained(stack)
+    per = {"fleet(pd)": {"capacity_rps": rps}}
+    return per, [r.ttft_s for r in got], [r.tpot_s for r in got if r.tokens > 1]
+
+
+# -- the gateway's side -------------------------------------------------------------------
+
+
+def set_tiers(stack: FleetStack, ttft_ms: float, tpot_ms: float) -> None:
+    """The default profile with its ``standard`` tier at the benchmark's targets."""
+    from importlib import resources
+
+    text = (
+        resources.files("hpd_scheduler.policy")
+        .joinpath("profiles/default.yaml")
+        .read_text(encoding="utf-8")
+    )
+    doc = yaml.safe_load(text)
+    std = doc["tiers"]["standard"]
+    std["ttft_ms"], std["tpot_ms"] = round(ttft_ms, 1), round(tpot_ms, 2)
+    with grpc.insecure_channel(stack.addrs["scheduler"]) as ch:
+        s_grpc.SchedulerServiceStub(ch).ReloadPolicy(
+            s.ReloadPolicyRequest(profile_yaml=yaml.safe_dump(doc, sort_keys=False)), timeout=10
+        )
+
+
+def estimate_errors(stack: FleetStack, rids: list[str]) -> list[float]:
+    """``|actual / predicted - 1|`` of the route records' TTFT, for completed requests."""
+    out = []
+    with grpc.insecure_channel(stack.addrs["scheduler"]) as ch:
+        stub = s_grpc.SchedulerServiceStub(ch)
+        for rid in rids:
+            try:
+                rec = stub.GetRouteRecord(
+                    s.GetRouteRecordRequest(request_id=rid), timeout=10
+                ).record
+            except grpc.RpcError:
+                continue
+            est = rec.plan.estimates.ttft_ms
+            if rec.HasField("outcome") and rec.outcome.success and est > 0:
+                out.append(abs(rec.outcome.ttft_ms / est - 1.0))
+    return out
+
+
+# -- figures ------------------------------------------------------------------------------
+
+
+def pct(values: list[float], q: float) -> float | None:
+    v = sorted(values)
+    return v[min(len(v) - 1, max(0, round(q * (len(v) - 1))))] if v else None
+
+
+def ms(values: list[float], q: float) -> float | None:
+    v = pct(values, q)
+    return None if v is None else round(v * 1000, 1)
+
+
+def summary(p: Point, slo: dict[str, float]) -> dict[str, Any]:
+    ok = [r for r in p.results if r.status == 200]
+    met = [r for r in ok if r.ttft_s * 1000 <= slo["ttft_ms"]
+           and (r.tokens <= 1 or r.tpot_s * 1000 <= slo["tpot_ms"])]  # fmt: skip
+    n = len(p.results)
+    return {
+        "arm": p.arm,
+        "rate_rps": round(p.rate_rps, 3),
+        "requests": n,
+        "completed": len(ok),
+        "refused": sum(r.status == 429 for r in p.results),
+        "failed": sum(r.status not in (200, 429) for r in p.results),
+        "goodput_rps": round(len(met) / p.window_s, 3) if p.window_s else 0.0,
+        "attainment": round(len(met) / n, 4) if n else 0.0,
+        "ttft_ms": {f"p{q}": ms([r.ttft_s for r in ok], q / 100) for q in (50, 90, 99)},
+        "tpot_ms": {f"p{q}": ms([r.tpot_s for r in ok if r.tokens > 1], q / 100) for q in (50, 90)},
+        "engines": {k: int(v) for k, v in p.engines.items()},
+    }
+
+
+def headline(points: list[dict[str, Any]]) -> dict[str, Any]:
+    """``goodput_vs_vllm_router_best`` (module docstring) and how it was found."""
+    by_arm: dict[str, dict[float, float]] = {}
+    for pt in points:
+        by_arm.setdefault(pt["arm"], {})[pt["rate_rps"]] = pt["goodput_rps"]
+    ours = by_arm.pop("hetero-pd", {})
+    if not ours or not by_arm:
+        return {"goodput_vs_vllm_router_best": None}
+    best = max(by_arm, key=lambda a: max(by_arm[a].values()))
+    theirs = by_arm[best]
+    rate = max(ours, key=lambda r: max(ours[r], theirs.get(r, 0.0)))
+    ratio = ours[rate] / theirs[rate] if theirs.get(rate) else float("inf")
+    return {
+        "goodput_vs_vllm_router_best": round(ratio, 3),
+        "best_router_policy": best.removeprefix("vllm-router:"),
+        "at_rate_rps": rate,
+        "peak_goodput_rps": {
+            "hetero-pd": max(ours.values()),
+            **{a: max(v.values()) for a, v in by_arm.items()},
+        },
+    }
+
+
+# -- the run ------------------------------------------------------------------------------
+
+
+async def measure(stack: FleetStack, args: argparse.Namespace) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+    quick = args.quick
+    print("unloaded latency and capacity per engine ...", file=sys.stderr)
+    unloaded, capacity = await unloaded_and_capacity(stack, args.mix, rng, 6 if quick else 12)
+    slo = {"ttft_ms": TTFT_SLO_X * unloaded["fleet"]["ttft_ms_p50"],
+           "tpot_ms": TPOT_SLO_X * unloaded["fleet"]["tpot_ms_p50"]}  # fmt: skip
+    print(f"capacity {capacity:.2f} req/s; SLO TTFT {slo['ttft_ms']:.0f} ms, TPOT "
+          f"{slo['tpot_ms']:.1f} ms", file=sys.stderr)  # fmt: skip
+    set_tiers(stack, slo["ttft_ms"], slo["tpot_ms"])
+    tier = {"x-hpd-tier": "standard"}
+    tag = f"rf{int(time.time())}"
+    n_warm = WARMUP_PER_ENGINE * len(stack.engines)
+    warm_rate = capacity / 3
+    warm = jobs_at(warm_rate, n_warm / warm_rate, args.mix, stack.fleet, args.seed + 1)
+    print(f"warm-up: {len(warm)} requests through the gateway ...", file=sys.stderr)
+    await run_point(stack.gateway_url, warm, "warmup", tag, tier)
+    await drained(stack)
+    window = 20.0 if quick else 40.0
+    rates = QUICK_RATES if quick else RATES
+    policies = QUICK_POLICIES if quick else POLICIES
+    arms = ["hetero-pd", *(f"vllm-router:{p}" for p in policies)]
+    points: list[dict[str, Any]] = []
+    ours_rids: list[str] = []
+    for k, x in enumerate(rates):
+        rate = x * capacity
+        jobs = jobs_at(rate, window, args.mix, stack.fleet, args.seed + 100 + k)
+        order = arms if k % 2 == 0 else list(reversed(arms))
+        for arm in order:
+            url = stack.gateway_url
+            if arm != "hetero-pd":
+                url = stack.start_router(arm.split(":", 1)[1])
+            before = await engine_counts(stack)
+            pt = Point(arm, rate, window_s=window)
+            mine = for_arm(jobs, arms.index(arm))
+            pt.results = await run_point(url, mine, arm.replace(":", "-"), f"{tag}-{k}",
+                                         tier if arm == "hetero-pd" else {})  # fmt: skip
+            stack.stop_router()
+            await drained(stack)
+            after = await engine_counts(stack)
+            pt.engines = {e: after[e] - before.get(e, 0.0) for e in after}
+            row = summary(pt, slo)
+            points.append(row)
+            if arm == "hetero-pd":
+                ours_rids += [r.rid for r in pt.results]
+            print(f"  {x:.2f}x = {rate:.2f} req/s  {arm:<32} goodput {row['goodput_rps']:.2f}/s "
+                  f"att {row['attainment']:.2f} refused {row['refused']} "
+                  f"TTFT p90 {row['ttft_ms']['p90']} ms  engines {row['engines']}",
+                  file=sys.stderr)  # fmt: skip
+    errors = estimate_errors(stack, ours_rids)
+    return {
+        **headline(points),
+        "ttft_estimate_error_p50": None if not errors else round(pct(errors, 0.5) or 0.0, 3),
+        "ttft_estimate_error_p90": None if not errors else round(pct(errors, 0.9) or 0.0, 3),
+        "ttft_estimate_error_requests": len(errors),
+        "sim_vs_real_goodput": None,
+        "slo": {k: round(v, 2) for k, v in slo.items()},
+        "capacity_rps": round(capacity, 3),
+        "unloaded": unloaded,
+        "points": points,
+        "mix": args.mix,
+        "fleet": str(args.fleet),
+        "warmup_requests": len(warm),
+        "window_s": window,
+        "quick": quick,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description="hetero-pd against vllm-router on a real unequal fleet (real engines)",
+        epilog="Needs the engines' virtualenv (scripts/engines-venv.sh) and root for CPU quotas.",
+    )
+    ap.add_argument("--quick", action="store_true", help="two rates, three policies, 20 s each")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--fleet", type=Path, default=DEFAULT_FLEET, help="fleet file (YAML)")
+    ap.add_argument(
+        "--mix",
+        choices=("azure", "chat"),
+        default="azure",
+        help="Azure conversation lengths, or multi-turn chat with shared prefixes",
+    )
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--keep-logs", type=Path, default=None, help="copy the fleet's logs here")
+    args = ap.parse_args(argv)
+    fleet = load_fleet(args.fleet)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="hpd-bench-fleet-") as tmp:
+        print(f"starting {len(fleet.engines)} engines, the control plane and the gateway ...",
+              file=sys.stderr)  # fmt: skip
+        try:
+            with FleetStack(fleet, Path(tmp)) as stack:
+                setup_s = time.perf_counter() - t0
+                figures = asyncio.run(measure(stack, args))
+        finally:
+            if args.keep_logs is not None:
+                import shutil
+
+                shutil.copytree(Path(tmp) / "logs", args.keep_logs, dirs_exist_ok=True)
+    figures["setup_s"] = round(setup_s, 1)
+    figures["total_s"] = round(time.perf_counter() - t0, 1)
+    if args.json:
+        print(json.dumps(figures))
+    else:
+        print(json.dumps(figures, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
