@@ -59,6 +59,7 @@ import argparse
 import asyncio
 import json
 import random
+import signal
 import statistics
 import sys
 import tempfile
@@ -74,6 +75,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hetero_pd.v1 import scheduler_pb2 as s
 from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
+from hpd_fleet.cgroups import remove_stale
 from hpd_fleet.real_fleet import FleetFile, FleetStack, load_fleet
 from hpd_sim.traces import load_trace
 
@@ -554,6 +556,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep-logs", type=Path, default=None, help="copy the fleet's logs here")
     args = ap.parse_args(argv)
     fleet = load_fleet(args.fleet)
+    remove_stale()  # a run killed before it could clean up leaves its cgroups
+    # SIGTERM ends the run like Ctrl-C: the fleet (engines, their cgroups) is stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="hpd-bench-fleet-") as tmp:
         print(f"starting {len(fleet.engines)} engines, the control plane and the gateway ...",

@@ -29,6 +29,11 @@ mkdir -p "$LOGS"
 export HPD_REAL_ENGINES=1 HPD_REAL_LOG_DIR="$LOGS"
 step "real_engine tests (logs in $LOGS)"
 status=0
+# CPU-quota cgroups (hpd_fleet.cgroups) are removed with their engines; a run that is
+# killed leaves them, so they are removed here at the end, whatever happened
+cleanup() { .venv/bin/python -m hpd_fleet.real clean --all >/dev/null 2>&1 || true; }
+trap cleanup EXIT
+cleanup
 # the session fixture starts the engines inside the first test's time limit: allow for it
 .venv/bin/pytest -v -p no:cacheprovider --timeout 900 --durations=8 tests/real_engine "$@" || status=$?
 if [ "$status" != 0 ]; then

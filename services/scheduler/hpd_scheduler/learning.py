@@ -18,7 +18,8 @@ Two models, each a line through the origin in two terms (ms):
   plan's ``prefill_ahead``). Becomes the planner's ``LearnedSpeed``.
 * **hand-off** of a (prefill pool, decode pool) pair for transfers: from the prefill's end
   to the first token (the KV pulled over the link, the decode engine's admission, its first
-  step): ``y = scale x kv_mb + fixed``. Becomes the pair's link override: latency
+  step), less the decode admission wait the plan predicted (the planner adds that term
+  itself): ``y = scale x kv_mb + fixed``. Becomes the pair's link override: latency
   ``fixed``, rate ``8 / scale`` Gb/s.
 
 Fitted by iteratively reweighted least squares on *relative* residuals (the planner is
@@ -245,9 +246,14 @@ def samples_from(
         sample = Sample(nominal, max(ahead, 0.0), y, inc, now_ms).stored()
         out.append((prefill_key(worker), sample))
     kv = float(est.get("kv_bytes") or 0.0)
-    if mode == "transfer" and prefill_ms > 0 and ttft > prefill_ms and kv > 0:
+    # the decode side's admission wait the plan predicted on top of its hand-off is the
+    # planner's own term (a full batch), not the link's: it stays out of the hand-off
+    parts = sum(float(est.get(k) or 0.0) for k in ("prefill_wait_ms", "prefill_ms", "transfer_ms"))
+    admit = max(0.0, float(est.get("ttft_ms") or 0.0) - parts)
+    handoff = ttft - prefill_ms - admit
+    if mode == "transfer" and prefill_ms > 0 and handoff > 0 and kv > 0:
         key = handoff_key(str(plan.get("prefill_pool_id", "")), str(plan.get("decode_pool_id", "")))
-        out.append((key, Sample(kv / 1e6, 0.0, ttft - prefill_ms, 0, now_ms).stored()))
+        out.append((key, Sample(kv / 1e6, 0.0, handoff, 0, now_ms).stored()))
     return out
 
 

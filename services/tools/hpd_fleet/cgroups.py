@@ -5,7 +5,10 @@ engine, the way a throttled, shared or older GPU is a slower one.
 of one core, or more than one), puts the engine in it *before* it runs (the command is
 wrapped by a shell that writes its own pid into the group and then ``exec``\\ s the
 engine, so every thread and child the engine starts is in the group from its first
-instruction), and removes the group again when the engine is gone. Both cgroup versions:
+instruction), and removes the group again when the engine is gone. The quota may be set
+once the engine is up (``limited=False``, then :meth:`CpuQuota.limit`): an engine's start
+is mostly compiling and loading, at a quarter core it took minutes, and a throttled GPU
+is slow at serving, not at booting. Both cgroup versions:
 
 * v1: the ``cpu`` controller's hierarchy (``/sys/fs/cgroup/cpu``), files
   ``cpu.cfs_period_us`` and ``cpu.cfs_quota_us``;
@@ -93,28 +96,39 @@ class CpuQuota:
         if not self.cores > 0:
             raise ValueError(f"cpu quota of {self.name!r} must be > 0 cores, got {self.cores}")
 
-    def create(self) -> Path:
-        """Make the group and set its quota; returns its path."""
+    def create(self, limited: bool = True) -> Path:
+        """Make the group, with its quota unless ``limited`` is false (then
+        :meth:`limit` sets it later); returns its path."""
         root, version = cgroup_root()
         parent = _parent(root, version)
         path = parent / f"{self.name}-{os.getpid()}-{next(_COUNTER)}"
         path.mkdir()
-        quota = max(1000, round(self.cores * PERIOD_US))
+        self.path, self.version, self._root = path, version, root
         try:
-            if version == 1:
-                (path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
-                (path / "cpu.cfs_quota_us").write_text(str(quota))
-            else:
-                (path / "cpu.max").write_text(f"{quota} {PERIOD_US}")
+            self._set(limited)
         except OSError:
             path.rmdir()
+            self.path = None
             raise
-        self.path, self.version, self._root = path, version, root
         return path
 
-    def wrap(self, cmd: list[str]) -> list[str]:
+    def limit(self) -> None:
+        """Set the quota (on a group made with ``limited=False``)."""
+        self._set(True)
+
+    def _set(self, limited: bool) -> None:
+        path = self.path
+        assert path is not None
+        quota = max(1000, round(self.cores * PERIOD_US)) if limited else -1
+        if self.version == 1:
+            (path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+            (path / "cpu.cfs_quota_us").write_text(str(quota))
+        else:
+            (path / "cpu.max").write_text(f"{quota if limited else 'max'} {PERIOD_US}")
+
+    def wrap(self, cmd: list[str], limited: bool = True) -> list[str]:
         """``cmd`` started inside the group (module docstring); creates it if needed."""
-        path = self.path or self.create()
+        path = self.path or self.create(limited)
         procs = shlex.quote(str(path / "cgroup.procs"))
         return ["/bin/sh", "-c", f'echo $$ > {procs} && exec "$@"', "hpd-cpu-quota", *cmd]
 
@@ -159,9 +173,10 @@ def _pids(path: Path) -> list[int]:
         return []
 
 
-def remove_stale() -> int:
-    """Remove the groups of runs whose process is gone (their engines are killed first);
-    returns how many. Nothing to do on a machine without cgroups."""
+def remove_stale(every: bool = False) -> int:
+    """Remove the groups of runs whose process is gone (their engines are killed first),
+    or with ``every`` all of this project's groups (the end of a CI run); returns how
+    many. Nothing to do on a machine without cgroups."""
     try:
         root, _ = cgroup_root()
     except CgroupUnavailable:
@@ -176,10 +191,12 @@ def remove_stale() -> int:
         parts = group.name.rsplit("-", 2)
         if len(parts) != 3 or not parts[1].isdigit():
             continue
-        if Path(f"/proc/{parts[1]}").exists():  # its run is still going (or is this one)
+        if not every and Path(f"/proc/{parts[1]}").exists():  # its run is still going
             continue
         q = CpuQuota(group.name, 1.0, path=group)
         with contextlib.suppress(OSError):
             q.remove()
             removed += 1
+    with contextlib.suppress(OSError):
+        parent.rmdir()
     return removed

@@ -9,6 +9,7 @@ probes). Nothing here imports an engine: vLLM is reached as processes, over HTTP
 
     python -m hpd_fleet.real venv           # install (or find) the engines' virtualenv
     python -m hpd_fleet.real model DIR      # write the tiny model folder
+    python -m hpd_fleet.real clean [--all]  # remove CPU-quota cgroups of runs that are gone
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hpd_fleet.cgroups import remove_stale
 from hpd_fleet.real_install import engines_venv, write_tiny_model
 from hpd_fleet.real_processes import (
     OWN_SESSION,
@@ -44,10 +46,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("venv", help="install (or find) the engines' virtualenv; print its path")
+    c = sub.add_parser(
+        "clean", help="remove CPU-quota cgroups left by runs that are gone (and their engines)"
+    )
+    c.add_argument("--all", action="store_true", help="every one of this project's groups")
     m = sub.add_parser("model", help="write the tiny model folder; print its path")
     m.add_argument("out_dir", type=Path)
     m.add_argument("--revision", default="tiny-r1")
     args = ap.parse_args(argv)
+    if args.cmd == "clean":
+        print(f"removed {remove_stale(every=args.all)} cgroup(s)")
+        return 0
     venv = engines_venv(getattr(sys, "_base_executable", sys.executable))
     if args.cmd == "venv":
         print(venv)

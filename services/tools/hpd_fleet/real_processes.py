@@ -185,9 +185,10 @@ class EngineProcess:
             # unpinned it takes its share of the other engine's core)
             cmd = ["taskset", "-c", cpus, *cmd]
         if s.cpu_quota > 0:
-            # in its cgroup from its first instruction (hpd_fleet.cgroups)
+            # in its cgroup from its first instruction (hpd_fleet.cgroups); limited once it
+            # is up (wait_ready), so its start does not crawl at the quota
             self.quota = CpuQuota(s.name, s.cpu_quota)
-            cmd = self.quota.wrap(cmd)
+            cmd = self.quota.wrap(cmd, limited=False)
         self.proc = subprocess.Popen(
             cmd,
             env=env,
@@ -213,6 +214,8 @@ class EngineProcess:
                     f"see {self.log_dir / ('engine-' + self.spec.name + '.log')}"
                 )
             if self.healthy():
+                if self.quota is not None:
+                    self.quota.limit()
                 return
             time.sleep(0.5)
         raise TimeoutError(f"engine {self.spec.name} not healthy after {timeout_s:.0f} s")

@@ -20,6 +20,10 @@ A cluster document::
         kv_connector: true            # optional; false: its engines run no KV connector
                                       # (plain engines: no transfer in or out, label
                                       # kv-role=none as `hpd agent --kv-role none` sets)
+        actual:                       # optional: how its engines really run against what
+          prefill_scale: 1.0          # they declare (the GPU above): prefill compute x,
+          prefill_fixed_ms: 0.0       # + ms per prefill, decode step x. The scheduler sees
+          decode_scale: 1.0           # the declaration and learns the rest from outcomes
     links:                            # the policy core's LinkModel document
       classes: {cross_zone: {gbps: 25, latency_ms: 2.0}}
       pools: [{src: h100-prefill-a, dst: l40s-decode-b, gbps: 50, latency_ms: 1.0}]
@@ -91,6 +95,9 @@ class PoolSpec:
     memory_fraction: float = 0.9
     price_per_gpu_hour: float = 0.0
     kv_connector: bool = True
+    prefill_scale: float = 1.0
+    prefill_fixed_ms: float = 0.0
+    decode_scale: float = 1.0
 
     @property
     def labels(self) -> dict[str, str]:
@@ -227,7 +234,9 @@ _POOL_KEYS = {
     "memory_fraction",
     "price_per_gpu_hour",
     "kv_connector",
+    "actual",
 }
+_ACTUAL_KEYS = ("prefill_scale", "prefill_fixed_ms", "decode_scale")
 _TOP_KEYS = {"name", "model", "efficiency", "defaults", "pools", "links", "description"}
 
 
@@ -267,6 +276,12 @@ def _pool(raw: Any, key: str, defaults: Mapping[str, Any], seen: set[str]) -> Po
         return raw.get(name, defaults.get(name, fallback))
 
     price = raw.get("price_per_gpu_hour", gpu.price_per_hour_usd)
+    actual = raw.get("actual", {}) or {}
+    if not isinstance(actual, Mapping):
+        raise ClusterError(f"{key}.actual", "must be a mapping")
+    for k in actual:
+        if k not in _ACTUAL_KEYS:
+            raise ClusterError(f"{key}.actual.{k}", f"unknown key; known: {list(_ACTUAL_KEYS)}")
     return PoolSpec(
         pool_id=pid,
         gpu=gpu,
@@ -283,6 +298,9 @@ def _pool(raw: Any, key: str, defaults: Mapping[str, Any], seen: set[str]) -> Po
         memory_fraction=float(_num(get("memory_fraction", 0.9), f"{key}.memory_fraction", 0.01, 1)),
         price_per_gpu_hour=float(_num(price, f"{key}.price_per_gpu_hour", 0.0)),
         kv_connector=_flag(raw.get("kv_connector", True), f"{key}.kv_connector"),
+        prefill_scale=float(_num(actual.get("prefill_scale", 1.0), f"{key}.actual", 1e-6)),
+        prefill_fixed_ms=float(_num(actual.get("prefill_fixed_ms", 0.0), f"{key}.actual", 0.0)),
+        decode_scale=float(_num(actual.get("decode_scale", 1.0), f"{key}.actual", 1e-6)),
     )
 
 

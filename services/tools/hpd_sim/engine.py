@@ -84,7 +84,8 @@ from hpd_scheduler.policy import (
 from hpd_scheduler.policy.prefix import PrefixIndex, cached_tokens
 from hpd_sim.traces import TraceRequest
 
-from .cluster import ClusterSpec
+from .cluster import ClusterSpec, PoolSpec
+from .learning import SimLearner
 from .outcomes import Judge, RequestOutcome, SimConfig, SimResult, tbt_ms
 from .resources import Pipe, SimWorker
 
@@ -97,6 +98,11 @@ _EPS_BITS = 1e-3
 # size: one event loop: its handlers share the clock, the event heap and the worker table,
 # and an event's path (arrival, plan, admission, transfer, first token, steps, finish) reads
 # in one place; the run's values are in outcomes.py and its moving parts in resources.py
+def _actual(pool: PoolSpec) -> tuple[float, float, float]:
+    """How the pool's engines really run: (prefill x, + prefill ms, decode x)."""
+    return (pool.prefill_scale, pool.prefill_fixed_ms, pool.decode_scale)
+
+
 class Simulator:
     """One run of one policy over one trace on one cluster (see the module docstring).
 
@@ -137,8 +143,12 @@ class Simulator:
         self.rng = random.Random(self.config.seed)
         self.tier_rng = random.Random(self.config.seed + 1)
         views = cluster.worker_views()
-        gpu_of = {p.pool_id: p.gpu for p in cluster.pools}
-        self.workers = [SimWorker(i, v, gpu_of[v.pool_id]) for i, v in enumerate(views)]
+        pool_of = {p.pool_id: p for p in cluster.pools}
+        self.workers = [
+            SimWorker(i, v, pool_of[v.pool_id].gpu, _actual(pool_of[v.pool_id]))
+            for i, v in enumerate(views)
+        ]
+        self.learn = SimLearner() if self.config.learn else None
         self.by_id = {w.view.worker_id: w for w in self.workers}
         bt = self.config.prefix_block_tokens
         self._prefix = self.config.prefix_cache and any(r.hash_ids for r in self.requests)
@@ -286,6 +296,7 @@ class Simulator:
             pending_requests=w.pending_reqs,
             pending_kv_bytes=w.pending_kv,
             pending_prefill_tokens=w.planned_tokens,
+            learned=self.learn.prefill(v.worker_id) if self.learn is not None else None,
         )
 
     def _fleet_now(self, now: float) -> Fleet:
@@ -301,10 +312,11 @@ class Simulator:
         views = [self.view_of(w, stamp) for w in self.workers]
         on_way = [w for w in self.workers if w.pending_reqs]  # transfers whose prefill runs
         ix = self.prefix
+        learn = self.learn
         self._fleet = Fleet.build(
             views,
             now,
-            links=self.cluster.links,
+            links=self.cluster.links if learn is None else learn.links(self.cluster.links),
             staleness=self.staleness,
             ref_prompt_tokens=self.prompt_mix.ref_tokens(),
             ref_output_tokens=self.output_mix.ref_tokens(),
@@ -364,6 +376,8 @@ class Simulator:
         pw = self.by_id[plan.prefill_worker_id]
         dw = self.by_id[plan.decode_worker_id]
         local = plan.mode is not Mode.TRANSFER or pw is dw
+        if self.learn is not None:
+            self.learn.planned(i, plan, now)
         self._plans[i] = (pw.idx, dw.idx, 1 if local else 0)
         prefiller = dw if local else pw
         prefiller.planned_n += 1
@@ -487,6 +501,7 @@ class Simulator:
             dur = perfmodel.prefill_ms(
                 self.model, w.gpu, w.tp, r.prompt_tokens - cached, self.eff, cached
             )
+            dur = dur * w.p_scale + w.p_fixed_ms
             w.iter_kind = 0
             w.iter_payload = i
             w.busy = True
@@ -510,6 +525,7 @@ class Simulator:
             dur = perfmodel.decode_step_ms(
                 self.model, w.gpu, w.tp, w.batch, w.ctx, self.eff, w.dtype
             )
+            dur *= w.d_scale
             w.iter_kind = 1
             w.step_start = now
             w.busy = True
@@ -527,6 +543,8 @@ class Simulator:
             _, d_idx, local = self._plans[i]
             w.planned_n -= 1
             w.planned_tokens -= self._planned_tokens.pop(i)
+            if self.learn is not None:
+                self.learn.prefill_done(i, now)
             if local:
                 self._first_token(i, w, now)
             else:
@@ -568,6 +586,8 @@ class Simulator:
                 out.gaps_ms = tuple(g)
         w.kv_used -= r.prompt_tokens + r.output_tokens
         w.admitted -= 1
+        if self.learn is not None:
+            self.learn.finished(i, out.first_s, now)
         judge = self._judge
         if judge is not None and not judge.ttft_missed(out) and not judge.met(out):
             self._missed()  # a late first token was counted when it came

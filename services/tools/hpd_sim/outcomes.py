@@ -25,6 +25,7 @@ class SimConfig:
     keep_gaps: bool = False
     prefix_cache: bool = True
     prefix_block_tokens: int = 512  # the Mooncake trace's block (its hash_ids)
+    learn: bool = True  # the scheduler's learner fed from outcomes (hpd_sim.learning)
 
 
 @dataclass(slots=True)

@@ -54,6 +54,7 @@ class SimWorker:
         "busy_since",
         "busy_total",
         "ctx",
+        "d_scale",
         "dtype",
         "finish_heap",
         "gpu",
@@ -66,6 +67,8 @@ class SimWorker:
         "kv_cap",
         "kv_used",
         "max_batch",
+        "p_fixed_ms",
+        "p_scale",
         "pduty",
         "pduty_t",
         "pending_kv",
@@ -82,10 +85,19 @@ class SimWorker:
         "view",
     )
 
-    def __init__(self, idx: int, view: WorkerView, gpu: GpuProfile) -> None:
+    def __init__(
+        self,
+        idx: int,
+        view: WorkerView,
+        gpu: GpuProfile,
+        actual: tuple[float, float, float] = (1.0, 0.0, 1.0),
+    ) -> None:
         self.idx = idx
         self.view = view
         self.gpu = gpu
+        # how the engine really runs against its declaration (a cluster pool's ``actual``):
+        # prefill compute x p_scale + p_fixed_ms, decode step x d_scale
+        self.p_scale, self.p_fixed_ms, self.d_scale = actual
         self.dtype = view.kv_format.dtype
         self.active = False
         self.tp = view.tp_size

@@ -1,0 +1,86 @@
+"""The simulator learns speeds the way the scheduler service does: the same samples
+(``hpd_scheduler.learning.samples_from``) from the same terms of each plan and the same
+measured figures of each outcome, fed to the same learner (``SpeedLearner``), whose fits
+become the worker views' ``learned`` figures and the link model's pool-pair overrides.
+
+What the service gets from the gateway, the simulator reads off its own clock: the prefill
+phase of a transfer is from the plan (the request's arrival: the simulator plans at once)
+to the end of its prefill iteration, as the gateway times its prefill call; the TTFT is
+the first token's time. An outcome is reported when the request finishes, as the gateway
+reports it after the stream's end, so the learner lags the traffic as the service's does.
+
+This matters when a pool's engines do not run at their declaration (a cluster pool's
+``actual`` figures: ``ClusterSpec``): the planner then learns their real speed from
+outcomes, exactly as it would on real engines, and ``hpd sim`` shows what that costs or
+saves. With engines that run as declared the learned scale stays near 1.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hpd_scheduler.learning import SpeedLearner, samples_from
+from hpd_scheduler.policy import LearnedSpeed, LinkModel, RoutePlan
+
+__all__ = ["SimLearner"]
+
+_INCARNATION = 1
+"""Simulated engines never restart: one incarnation each."""
+
+
+class SimLearner:
+    """Per-request plan terms and prefill end times, fed to a :class:`SpeedLearner`."""
+
+    def __init__(self) -> None:
+        self.learner = SpeedLearner()
+        self._plans: dict[int, dict[str, Any]] = {}
+        self._planned_at: dict[int, float] = {}
+        self._prefill_end: dict[int, float] = {}
+        self._links: tuple[int, LinkModel] | None = None
+
+    def planned(self, i: int, plan: RoutePlan, now_s: float) -> None:
+        e = plan.estimates
+        self._plans[i] = {
+            "mode": plan.mode.value,
+            "prefill_worker_id": plan.prefill_worker_id,
+            "prefill_pool_id": plan.prefill_pool_id,
+            "decode_pool_id": plan.decode_pool_id,
+            "estimates": {
+                "prefill_nominal_ms": e.prefill_nominal_ms,
+                "prefill_ahead": e.prefill_ahead,
+                "kv_bytes": e.kv_bytes,
+            },
+        }
+        self._planned_at[i] = now_s
+
+    def prefill_done(self, i: int, now_s: float) -> None:
+        self._prefill_end[i] = now_s
+
+    def finished(self, i: int, first_s: float, now_s: float) -> None:
+        """Request ``i`` ended (its first token at ``first_s``): learn from it."""
+        plan = self._plans.pop(i, None)
+        at = self._planned_at.pop(i, now_s)
+        end = self._prefill_end.pop(i, 0.0)
+        if plan is None:
+            return
+        outcome = {
+            "success": True,
+            "ttft_ms": (first_s - at) * 1000.0,
+            "prefill_ms": (end - at) * 1000.0 if end else 0.0,
+        }
+        worker = str(plan["prefill_worker_id"])
+        for key, sample in samples_from(
+            plan, outcome, 1, {worker: _INCARNATION}, round(now_s * 1000)
+        ):
+            self.learner.add(key, sample, _INCARNATION)
+
+    def prefill(self, worker_id: str) -> LearnedSpeed | None:
+        return self.learner.prefill(worker_id)
+
+    def links(self, base: LinkModel) -> LinkModel:
+        """``base`` with the learned hand-offs as pool-pair overrides (cached per change)."""
+        ver = self.learner.links_version
+        if self._links is None or self._links[0] != ver:
+            overrides = {**base.pool_overrides, **self.learner.links()}
+            self._links = (ver, LinkModel(classes=base.classes, pool_overrides=overrides))
+        return self._links[1]
