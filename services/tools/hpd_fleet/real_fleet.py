@@ -15,7 +15,8 @@ The fleet file (YAML)::
         role: both           # prefill | decode | both
         cores: "0"           # CPUs its threads may use (taskset list; default: "0")
         cpu_quota: 0.8       # CPU time in cores (cgroup quota; 0 or absent = none)
-        kv_cache_gib: 1      # its KV cache (default 1)
+        kv_cache_gib: 1      # its KV cache, whole GiB (the CPU build takes no fraction)
+        kv_blocks: 0         # or fewer: vLLM's --num-gpu-blocks-override (0 = all that fit)
         dtype: bfloat16      # the model's dtype: bfloat16 | float32 (float32 KV cannot
                              # go to a bfloat16 engine: a really incompatible pair)
         kv_cache_dtype: ""   # vLLM's --kv-cache-dtype ("" = the model's dtype)
@@ -98,7 +99,8 @@ class EngineEntry:
     role: str = "both"
     cores: str = "0"
     cpu_quota: float = 0.0
-    kv_cache_gib: float = 1.0
+    kv_cache_gib: int = 1
+    kv_blocks: int = 0
     dtype: str = "bfloat16"
     kv_cache_dtype: str = ""
     connector: str = "none"
@@ -129,6 +131,13 @@ def _number(doc: Mapping[str, Any], key: str, where: str, default: float, lo: fl
     if isinstance(raw, bool) or not isinstance(raw, int | float) or raw < lo:
         raise FleetError(f"{where}.{key}", f"must be a number >= {lo:g}, got {raw!r}")
     return float(raw)
+
+
+def _whole(doc: Mapping[str, Any], key: str, where: str, default: int, lo: int) -> int:
+    raw = doc.get(key, default)
+    if isinstance(raw, bool) or not isinstance(raw, int) or raw < lo:
+        raise FleetError(f"{where}.{key}", f"must be a whole number >= {lo}, got {raw!r}")
+    return raw
 
 
 def _choice(
@@ -171,11 +180,12 @@ def _engine(doc: Any, i: int) -> EngineEntry:
         role=role,
         cores=cores,
         cpu_quota=_number(doc, "cpu_quota", where, 0.0, 0.0),
-        kv_cache_gib=_number(doc, "kv_cache_gib", where, 1.0, 0.125),
+        kv_cache_gib=_whole(doc, "kv_cache_gib", where, 1, 1),
+        kv_blocks=_whole(doc, "kv_blocks", where, 0, 0),
         dtype=_choice(doc, "dtype", where, "bfloat16", _DTYPES),
         kv_cache_dtype=kv_dtype,
         connector=connector,
-        max_num_seqs=int(_number(doc, "max_num_seqs", where, 0, 0)),
+        max_num_seqs=_whole(doc, "max_num_seqs", where, 0, 0),
     )
 
 
@@ -267,7 +277,7 @@ class FleetStack:
                 e.name, pick_port(), int(re.split(r"[,-]", e.cores)[0]), e.kv_role,
                 pick_port() if e.kv_role else 0, dtype=e.dtype, cpu_quota=e.cpu_quota,
                 cpus=e.cores, kv_cache_gib=e.kv_cache_gib, kv_cache_dtype=e.kv_cache_dtype,
-                max_num_seqs=e.max_num_seqs,
+                max_num_seqs=e.max_num_seqs, kv_blocks=e.kv_blocks,
             )  # fmt: skip
             self.engines[e.name] = EngineProcess(spec, self.venv, self.model_dir, self.logs)
         for proc in self.engines.values():

@@ -100,7 +100,8 @@ class EngineSpec:
     kv_replay_port: int = 0  # and answer replay requests on this one (0 = no replay)
     cpu_quota: float = 0.0  # CPU time in cores (cgroup quota; 0 = none): a slower engine
     cpus: str = ""  # the CPUs its threads may run on ("0", "0-1"; "" = the one ``core``)
-    kv_cache_gib: float = 1.0  # its KV cache (VLLM_CPU_KVCACHE_SPACE)
+    kv_cache_gib: int = 1  # its KV cache in whole GiB (VLLM_CPU_KVCACHE_SPACE)
+    kv_blocks: int = 0  # fewer KV blocks than fit (--num-gpu-blocks-override; 0 = all)
     kv_cache_dtype: str = ""  # vLLM's --kv-cache-dtype ("" = the model's dtype)
     max_num_seqs: int = 0  # vLLM's --max-num-seqs (0 = its default)
     nixl_threads: int = 0  # NIXL's UCX threads (0 = vLLM's default)
@@ -146,6 +147,8 @@ class EngineProcess:
             cmd += ["--kv-cache-dtype", s.kv_cache_dtype]
         if s.max_num_seqs:
             cmd += ["--max-num-seqs", str(s.max_num_seqs)]
+        if s.kv_blocks:
+            cmd += ["--num-gpu-blocks-override", str(s.kv_blocks)]
         if s.kv_events_port:
             events = {
                 "enable_kv_cache_events": True, "publisher": "zmq",
@@ -172,7 +175,7 @@ class EngineProcess:
         cpus = s.cpus or str(s.core)
         env = {
             **os.environ, **ENGINE_ENV, "VLLM_CPU_OMP_THREADS_BIND": cpus,
-            "VLLM_CPU_KVCACHE_SPACE": f"{s.kv_cache_gib:g}",
+            "VLLM_CPU_KVCACHE_SPACE": str(s.kv_cache_gib),
         }  # fmt: skip
         if s.side_channel_port:
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(s.side_channel_port)

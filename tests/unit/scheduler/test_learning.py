@@ -4,6 +4,7 @@ speed changes and restarts, the same on every replica; and the planner taking th
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 
@@ -136,16 +137,21 @@ def test_replicas_with_the_same_samples_learn_the_same_figures() -> None:
 
 
 def test_an_outcome_teaches_the_prefill_phase_and_the_hand_off() -> None:
-    plan = {
+    base_est: dict[str, float] = {
+        "prefill_nominal_ms": 2.0,
+        "prefill_ahead": 0.5,
+        "kv_bytes": 3_000_000,
+    }
+    plan: dict[str, Any] = {
         "mode": "transfer",
         "prefill_worker_id": "p0",
         "prefill_pool_id": "pp",
         "decode_pool_id": "dp",
-        "estimates": {"prefill_nominal_ms": 2.0, "prefill_ahead": 1.0, "kv_bytes": 3_000_000},
+        "estimates": base_est,
     }
     outcome = {"success": True, "ttft_ms": 150.0, "prefill_ms": 120.0}
     got = dict(samples_from(plan, outcome, 1_000, {"p0": 500}, 2_000))
-    assert got[prefill_key("p0")] == Sample(2.0, 1.0, 120.0, 500, 2_000)
+    assert got[prefill_key("p0")] == Sample(2.0, 0.5, 120.0, 500, 2_000)
     assert got[handoff_key("pp", "dp")] == Sample(3.0, 0.0, 30.0, 0, 2_000)
     # a plan made before the engine's restart, a failure, or another mode teach nothing
     assert prefill_key("p0") not in dict(samples_from(plan, outcome, 400, {"p0": 500}, 2_000))
@@ -155,7 +161,14 @@ def test_an_outcome_teaches_the_prefill_phase_and_the_hand_off() -> None:
     # served whole on one worker: the TTFT is its prefill phase
     whole = {**plan, "mode": "same_pool"}
     got = dict(samples_from(whole, outcome, 1_000, {"p0": 500}, 2_000))
-    assert got == {prefill_key("p0"): Sample(2.0, 1.0, 150.0, 500, 2_000)}
+    assert got == {prefill_key("p0"): Sample(2.0, 0.5, 150.0, 500, 2_000)}
+    # a plan that saw a queue measures the planner's queue model, not the engine: no sample
+    queued = {**plan, "estimates": {**base_est, "prefill_ahead": 2.0}}
+    assert prefill_key("p0") not in dict(samples_from(queued, outcome, 1_000, {"p0": 500}, 0))
+    # the decode admission wait the plan predicted is the planner's term, not the prefill's
+    est = {**base_est, "prefill_wait_ms": 10.0, "prefill_ms": 30.0, "ttft_ms": 90.0}
+    got = dict(samples_from({**whole, "estimates": est}, outcome, 1_000, {"p0": 500}, 0))
+    assert got[prefill_key("p0")].y == pytest.approx(150.0 - 50.0)
 
 
 def test_stored_samples_read_back_and_garbage_is_dropped() -> None:
