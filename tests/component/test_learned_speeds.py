@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 
 import pytest
+from google.protobuf.json_format import MessageToDict
 from prometheus_client import REGISTRY
 
 from hetero_pd.v1 import common_pb2 as c
@@ -75,6 +76,9 @@ async def test_replicas_plan_a_slow_worker_at_the_speed_either_one_measured(
         await _until(lambda: learner_b.prefill(wid) == learned_a)
         await b.settle([wid])
         later = await b.stub.Schedule(sched("ls-b", prompt=800, model=model), timeout=5)
+        rec = await b.stub.GetRouteRecord(s.GetRouteRecordRequest(request_id="ls-b"), timeout=5)
+        notes = list(MessageToDict(rec.record.explanation).get("notes", []))
+        assert any(n.startswith(f"prefill_speed:{wid}:learned:") for n in notes), notes
         e = later.plan.estimates
         assert e.prefill_wait_ms + e.prefill_ms == pytest.approx(
             50.0 + 30.0 * cap.prefill_ms(800), rel=0.05

@@ -320,6 +320,7 @@ class SchedulerService(PolicyAndDirectives, OutcomeReports, RouteRecords, Schedu
                     self._background(self.opener.abort(session, "decode_worker_full"))
                 continue
             metrics.DECISIONS.labels(decision=decision.kind.value, mode=plan.mode.value).inc()
+            self._note_learned(decision, plan)
             self.explanations.add(req.request_id, decision)
             # its prompt counts as queued prefill work until its predicted prefill end
             self.prefill_due.add(
@@ -398,6 +399,20 @@ class SchedulerService(PolicyAndDirectives, OutcomeReports, RouteRecords, Schedu
                 mode_reason = exc.reason
                 metrics.BROKER_FALLBACKS.labels(reason=exc.reason).inc()
         return plan, chain, session, mode_reason
+
+    def _note_learned(self, decision: Decision, plan: RoutePlan) -> None:
+        """The explanation says which speed the plan's prefill worker was planned at: its
+        learned figures (``learning.py``), or that it had none yet (its declaration)."""
+        if decision.record is None:
+            return
+        wid = plan.prefill_worker_id
+        got = self.observed.learner.prefill(wid)
+        decision.record.notes.append(
+            f"prefill_speed:{wid}:declared"
+            if got is None
+            else f"prefill_speed:{wid}:learned:fixed_ms={got.fixed_ms:.1f}"
+            f":scale={got.scale:.3g}:samples={got.samples}"
+        )
 
     def _background(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coro)
