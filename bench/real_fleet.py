@@ -385,7 +385,7 @@ def set_tiers(stack: FleetStack, ttft_ms: float, tpot_ms: float) -> None:
         .read_text(encoding="utf-8")
     )
     doc = yaml.safe_load(text)
-    std = doc["tiers"]["standard"]
+    std = doc["tiers"]["classes"]["standard"]
     std["ttft_ms"], std["tpot_ms"] = round(ttft_ms, 1), round(tpot_ms, 2)
     with grpc.insecure_channel(stack.addrs["scheduler"]) as ch:
         s_grpc.SchedulerServiceStub(ch).ReloadPolicy(

@@ -5,8 +5,10 @@ from the samples they share in Redis, and the estimates' error is exported."""
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from google.protobuf.json_format import MessageToDict
@@ -83,6 +85,17 @@ async def test_replicas_plan_a_slow_worker_at_the_speed_either_one_measured(
         assert e.prefill_wait_ms + e.prefill_ms == pytest.approx(
             50.0 + 30.0 * cap.prefill_ms(800), rel=0.05
         )
+        # an operator sees it per worker
+        hpd = Path(sys.executable).with_name("hpd")
+        shown = await asyncio.create_subprocess_exec(
+            str(hpd), "workers", "-o", "wide", "--registry", registry.target,
+            "--scheduler", b.target, "--model", model,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        out, err = await shown.communicate()
+        assert shown.returncode == 0, err
+        line = next(x for x in out.decode().splitlines() if x.startswith(wid))
+        assert f"+ {learned_a.scale:.3g}x declared ({learned_a.samples})" in line, out
         ratio = REGISTRY.get_sample_value(
             "hpd_scheduler_ttft_estimate_ratio_count", {"worker": wid, "tier": "standard"}
         )

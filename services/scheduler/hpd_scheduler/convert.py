@@ -323,6 +323,9 @@ def recommendations_to_pb(recs: Recommendations) -> s.GetRecommendationsResponse
                 reserved_kv_bytes=w.reserved.kv_bytes,
                 reserved_requests=w.reserved.requests,
                 load=w.load,
+                learned_prefill_fixed_ms=w.learned.fixed_ms if w.learned else 0.0,
+                learned_prefill_scale=w.learned.scale if w.learned else 0.0,
+                learned_prefill_samples=w.learned.samples if w.learned else 0,
             )
         )
     for src, dst, gbps, n in recs.links:

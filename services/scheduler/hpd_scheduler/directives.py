@@ -14,6 +14,7 @@ from hpd_scheduler import metrics
 from hpd_scheduler.policy import (
     BatchRecommendation,
     ConfigError,
+    LearnedSpeed,
     Planner,
     Profile,
     RebalancePlan,
@@ -46,6 +47,7 @@ class WorkerFigures:
     samples: int
     reserved: Totals
     load: float
+    learned: LearnedSpeed | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,8 +147,13 @@ class PolicyAndDirectives(FleetSnapshot):
                 batch.append((ws.worker_id, current, rec, itl, target))
             models.append(ModelRecommendation(mid, plan, tuple(batch)))
         obs = self.observed
+        learned = {k[2:] for k in obs.learner.fits if k.startswith("p:")}
         ids = sorted(
-            set(obs.prefill_tps) | set(obs.itl_ms) | set(self._totals) | set(loads_by_worker)
+            set(obs.prefill_tps)
+            | set(obs.itl_ms)
+            | set(self._totals)
+            | set(loads_by_worker)
+            | learned
         )
         workers = tuple(
             WorkerFigures(
@@ -156,6 +163,7 @@ class PolicyAndDirectives(FleetSnapshot):
                 obs.samples(wid),
                 self.reserved(wid),
                 loads_by_worker.get(wid, 0.0),
+                obs.learner.prefill(wid),
             )
             for wid in ids
         )

@@ -16,6 +16,8 @@ from google.protobuf.json_format import MessageToDict
 from hetero_pd.v1 import common_pb2 as c
 from hetero_pd.v1 import registry_pb2 as r
 from hetero_pd.v1 import registry_pb2_grpc as r_grpc
+from hetero_pd.v1 import scheduler_pb2 as s
+from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
 from hpd_common.channels import CallIdentity, sync_channel
 from hpd_tools.tables import age, render
 
@@ -195,6 +197,56 @@ def watch_main(argv: Sequence[str]) -> int:
     return 0
 
 
+WIDE_HEADERS = ["ITL", "PREFILL (LEARNED)"]
+
+
+def learned_text(e: s.WorkerEstimate | None) -> str:
+    """``62ms/req + 31x declared (12)``: a worker's learned prefill speed (``-`` before it
+    has one, ``?`` when the scheduler did not answer)."""
+    if e is None:
+        return "?"
+    if not e.learned_prefill_samples:
+        return "- (declared)"
+    return (
+        f"{e.learned_prefill_fixed_ms:.0f}ms/req + {e.learned_prefill_scale:.3g}x declared "
+        f"({e.learned_prefill_samples})"
+    )
+
+
+def wide_rows(
+    workers: Sequence[c.Worker],
+    rows: list[list[str]],
+    estimates: dict[str, s.WorkerEstimate] | None,
+) -> list[list[str]]:
+    """``rows`` with the scheduler's figures per worker (``WIDE_HEADERS``)."""
+    out = []
+    for w, row in zip(workers, rows, strict=True):
+        wid = w.capability.worker_id
+        load = w.load if w.HasField("load") else None
+        itl = f"{load.itl_p50_ms:.1f}ms" if load and load.itl_p50_ms else "-"
+        if estimates is None:
+            est: s.WorkerEstimate | None = None
+        else:
+            est = estimates.get(wid, s.WorkerEstimate(worker_id=wid))
+        out.append([*row, itl, learned_text(est)])
+    return out
+
+
+def _estimates(target: str, timeout: float) -> dict[str, s.WorkerEstimate] | None:
+    """The scheduler's per-worker figures (GetRecommendations); None when it does not
+    answer (said on stderr; the registry's columns still print)."""
+    try:
+        with sync_channel(target, CallIdentity.from_env()) as channel:
+            resp = s_grpc.SchedulerServiceStub(channel).GetRecommendations(
+                s.GetRecommendationsRequest(), timeout=timeout
+            )
+    except grpc.RpcError as exc:
+        print(f"hpd workers: scheduler {target}: {exc.code().name}: {exc.details()}",
+              file=sys.stderr)  # fmt: skip
+        return None
+    return {w.worker_id: w for w in resp.workers}
+
+
 def main(argv: Sequence[str]) -> int:
     what, rest = argv[0], argv[1:]
     if what == "watch":
@@ -206,10 +258,23 @@ def main(argv: Sequence[str]) -> int:
         help="registry address host:port (env HPD_REGISTRY)",
     )
     p.add_argument("--timeout", type=float, default=5.0, help="RPC deadline in seconds")
-    p.add_argument("-o", "--output", choices=["table", "json"], default="table")
+    outputs = ["table", "wide", "json"] if what == "workers" else ["table", "json"]
+    p.add_argument(
+        "-o",
+        "--output",
+        choices=outputs,
+        default="table",
+        help="table; wide: and the scheduler's measured figures per worker (its prefill speed "
+        "learned from outcomes, ITL); json",
+    )
     p.add_argument("--model", default="", help="only this model")
     if what == "workers":
         p.add_argument("--pool", default="", help="only this pool")
+        p.add_argument(
+            "--scheduler",
+            default=os.environ.get("HPD_SCHEDULER", "127.0.0.1:50052"),
+            help="scheduler host:port for -o wide (env HPD_SCHEDULER)",
+        )
     args = p.parse_args(rest)
     try:
         with sync_channel(args.registry, CallIdentity.from_env()) as channel:
@@ -235,6 +300,10 @@ def main(argv: Sequence[str]) -> int:
                             indent=2,
                         )
                     )
+                elif args.output == "wide":
+                    rows = worker_rows(workers, int(time.time() * 1000))
+                    est = _estimates(args.scheduler, args.timeout)
+                    print(render(WORKER_HEADERS + WIDE_HEADERS, wide_rows(workers, rows, est)))
                 else:
                     print(render(WORKER_HEADERS, worker_rows(workers, int(time.time() * 1000))))
             else:
