@@ -14,7 +14,7 @@ The fleet file (YAML)::
       - name: fast           # worker id and engine name: lower case letters, digits, '-'
         role: both           # prefill | decode | both
         cores: "0"           # CPUs its threads may use (taskset list; default: "0")
-        cpu_quota: 0.8       # CPU time in cores (cgroup quota; 0 or absent = none)
+        cpu_quota: 0.8       # CPU time in cores (cgroup quota, at least 0.1; 0 = none)
         kv_cache_gib: 1      # its KV cache, whole GiB (the CPU build takes no fraction)
         kv_blocks: 0         # or fewer: vLLM's --num-gpu-blocks-override (0 = all that fit)
         dtype: bfloat16      # the model's dtype: bfloat16 | float32 (float32 KV cannot
@@ -133,6 +133,15 @@ def _number(doc: Mapping[str, Any], key: str, where: str, default: float, lo: fl
     return float(raw)
 
 
+def _quota(doc: Mapping[str, Any], where: str) -> float:
+    """0 (none) or at least 0.1 core: the kernel's least quota is 1 ms per period (10 ms,
+    ``hpd_fleet.cgroups.PERIOD_US``)."""
+    q = _number(doc, "cpu_quota", where, 0.0, 0.0)
+    if 0 < q < 0.1:
+        raise FleetError(f"{where}.cpu_quota", f"must be 0 (none) or at least 0.1, got {q:g}")
+    return q
+
+
 def _whole(doc: Mapping[str, Any], key: str, where: str, default: int, lo: int) -> int:
     raw = doc.get(key, default)
     if isinstance(raw, bool) or not isinstance(raw, int) or raw < lo:
@@ -179,7 +188,7 @@ def _engine(doc: Any, i: int) -> EngineEntry:
         name=name,
         role=role,
         cores=cores,
-        cpu_quota=_number(doc, "cpu_quota", where, 0.0, 0.0),
+        cpu_quota=_quota(doc, where),
         kv_cache_gib=_whole(doc, "kv_cache_gib", where, 1, 1),
         kv_blocks=_whole(doc, "kv_blocks", where, 0, 0),
         dtype=_choice(doc, "dtype", where, "bfloat16", _DTYPES),

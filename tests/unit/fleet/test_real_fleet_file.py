@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from hpd_fleet.cgroups import CgroupUnavailable, CpuQuota, cgroup_root, remove_stale
+from hpd_fleet.cgroups import PERIOD_US, CgroupUnavailable, CpuQuota, cgroup_root, remove_stale
 from hpd_fleet.real_fleet import FleetError, load_fleet, parse_fleet
 
 BENCH_FLEETS = Path(__file__).resolve().parents[3] / "bench" / "fleets"
@@ -112,11 +112,11 @@ def test_an_engine_can_start_unlimited_and_be_limited_once_up() -> None:
         if "cpu.cfs_quota_us" in files:
             assert (path / "cpu.cfs_quota_us").read_text().strip() == "-1"
             q.limit()
-            assert (path / "cpu.cfs_quota_us").read_text().strip() == "50000"
+            assert (path / "cpu.cfs_quota_us").read_text().strip() == str(PERIOD_US // 2)
         else:
             assert (path / "cpu.max").read_text().split()[0] == "max"
             q.limit()
-            assert (path / "cpu.max").read_text().split()[0] == "50000"
+            assert (path / "cpu.max").read_text().split()[0] == str(PERIOD_US // 2)
     finally:
         q.remove()
 
