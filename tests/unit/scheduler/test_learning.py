@@ -12,6 +12,7 @@ from hpd_scheduler.learning import (
     MIN_SAMPLES,
     SCALE_BOUNDS,
     SHIFT_RUN,
+    WINDOW,
     Sample,
     SpeedLearner,
     fit,
@@ -176,3 +177,21 @@ def test_stored_samples_read_back_and_garbage_is_dropped() -> None:
     assert Sample.from_json(s.to_json()) == s
     for bad in ([], ["x", 1, 2, 3, 4], [1, 1, -5, 1, 1], [float("nan"), 0, 1, 1, 1]):
         assert Sample.from_json(bad) is None
+
+
+def test_a_right_skewed_spread_is_fitted_through_its_middle_not_its_short_end() -> None:
+    """Real latencies spread to the right (a request that lands behind another engine step
+    waits): the fit's predictions sit at the middle of what is measured, so as many
+    requests come late as early."""
+    rng = random.Random(6)
+    pts = [
+        Sample(s.x, s.ahead, _truth(s.x, s.ahead) * rng.lognormvariate(0.0, 0.5), 7)
+        for s in _draws(WINDOW, rng)
+    ]
+    f = fit(pts)
+    assert f is not None
+    fresh = _draws(400, rng)
+    ratios = sorted(
+        _truth(s.x, s.ahead) * rng.lognormvariate(0.0, 0.5) / f.predict(s.x, s.ahead) for s in fresh
+    )
+    assert 0.85 < ratios[len(ratios) // 2] < 1.2
