@@ -94,6 +94,7 @@ FIXED_MAX_MS = 120_000.0
 AHEAD_MAX = 1.0
 _HUBER_K = 1.345
 _ITERATIONS = 20
+REFIT_EVERY = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,7 +186,10 @@ def _fit_rows(samples: Sequence[Sample]) -> tuple[float, float]:
     w = [1.0 / (s.y * s.y) for s in samples]  # a first fit, before there is a prediction
     c1 = c2 = 0.0
     for _ in range(_ITERATIONS):
+        was = (c1, c2)
         c1, c2 = _solve(rows, w)
+        if abs(c1 - was[0]) <= 1e-4 * max(c1, 1e-9) and abs(c2 - was[1]) <= 1e-4 * max(c2, 1e-9):
+            break  # converged (typically within a few rounds)
         pred = [max(c1 * a + c2 * b, 1e-9) for a, b, _ in rows]
         rel = [(y - p) / p for (_, _, y), p in zip(rows, pred, strict=True)]
         mad = _median([abs(r - _median(rel)) for r in rel]) * 1.4826
@@ -291,12 +295,26 @@ class SpeedLearner:
         self.fits: dict[str, Fit] = {}
         self.version: dict[str, int] = {}
         self.links_version = 0
+        self._since: dict[str, int] = {}  # samples added since the key's last fit
 
     def add(self, key: str, sample: Sample, incarnation: int = 0) -> None:
-        """One new sample, kept locally (the store shares it with the other replicas)."""
+        """One new sample, kept locally (the store shares it with the other replicas).
+
+        A fit costs about a millisecond of Python, so it is redone only when it can have
+        moved: while it rests on fewer than ``WINDOW`` samples, when the new one misses it
+        by more than ``SHIFT_FACTOR`` (a speed change starts so), and otherwise every
+        ``REFIT_EVERY`` samples."""
         kept = self.samples.setdefault(key, [])
         kept.append(sample)
         del kept[: -2 * WINDOW]
+        f = self.fits.get(key)
+        n = self._since.get(key, 0) + 1
+        if f is not None and f.samples >= WINDOW and n < REFIT_EVERY:
+            ratio = sample.y / max(f.predict(sample.x, sample.ahead), 1e-9)
+            if 1 / SHIFT_FACTOR <= ratio <= SHIFT_FACTOR:
+                self._since[key] = n
+                return
+        self._since[key] = 0
         self._refit(key, incarnation)
 
     def replace(

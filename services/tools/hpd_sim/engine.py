@@ -148,7 +148,10 @@ class Simulator:
             SimWorker(i, v, pool_of[v.pool_id].gpu, _actual(pool_of[v.pool_id]))
             for i, v in enumerate(views)
         ]
-        self.learn = SimLearner() if self.config.learn else None
+        learn = self.config.learn
+        if learn is None:
+            learn = any(_actual(p) != (1.0, 0.0, 1.0) for p in cluster.pools)
+        self.learn = SimLearner() if learn else None
         self.by_id = {w.view.worker_id: w for w in self.workers}
         bt = self.config.prefix_block_tokens
         self._prefix = self.config.prefix_cache and any(r.hash_ids for r in self.requests)

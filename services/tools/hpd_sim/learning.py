@@ -12,7 +12,10 @@ reports it after the stream's end, so the learner lags the traffic as the servic
 This matters when a pool's engines do not run at their declaration (a cluster pool's
 ``actual`` figures: ``ClusterSpec``): the planner then learns their real speed from
 outcomes, exactly as it would on real engines, and ``hpd sim`` shows what that costs or
-saves. With engines that run as declared the learned scale stays near 1.
+saves. With engines that run as declared the learned scale stays near 1 (0.94-1.06 on the
+homogeneous cluster at half and at three times its capacity, admitted attainment 1.00 and
+0.998 against 1.00 and 0.993 without), so ``SimConfig.learn`` is on by default only for a
+cluster with a pool that runs otherwise than declared.
 """
 
 from __future__ import annotations

@@ -25,7 +25,10 @@ class SimConfig:
     keep_gaps: bool = False
     prefix_cache: bool = True
     prefix_block_tokens: int = 512  # the Mooncake trace's block (its hash_ids)
-    learn: bool = True  # the scheduler's learner fed from outcomes (hpd_sim.learning)
+    # the scheduler's learner fed from outcomes (hpd_sim.learning); None: only when some
+    # pool runs otherwise than it declares (engines that run as declared teach a scale of
+    # about 1, at a fit's cost per request)
+    learn: bool | None = None
 
 
 @dataclass(slots=True)
