@@ -37,8 +37,9 @@ Steps:
    ``QUICK_RATES``). They reach 4.5x because a closed loop understates what an open one is
    served: the default fleet served 2.4x its closed-loop figure with every one of our
    requests and 95 % of the best router policy's in SLO (its engines batch the decodes of
-   requests that arrive independently). At each rate every arm serves the same requests (same lengths and arrival
-   times); the arms' order alternates per rate, and the engines drain between points.
+   requests that arrive independently). At each rate every arm serves the same requests
+   (same lengths and arrival times); the arms' order alternates per rate, and the engines
+   drain between points.
    Open loop: a refusal (the gateway's 429) is not retried and counts as a miss.
 
 Figures (``--json``, one object):
@@ -49,7 +50,9 @@ Figures (``--json``, one object):
 * ``ttft_estimate_error_p50`` (target <= 0.15) / ``_p90`` (target <= 0.5):
   ``|actual / predicted - 1|`` of the route records' outcome TTFT over the plan's estimate,
   over every gateway request after the warm-up that completed;
-* ``sim_vs_real_goodput``: not measured by this version (null), see bench/README.md;
+* ``sim_vs_real_goodput`` (target 0.8-1.25): ``hpd sim``'s goodput on the same fleet
+  (a cluster written from the learned figures, ``bench/real_fleet_sim.py``) and the same
+  requests, over the goodput measured, at the rate where ours peaked (``sim``: both sides);
 * ``points``: per arm and rate, goodput, attainment, refused, TTFT and TPOT percentiles,
   and the engines used; ``slo``, ``capacity_rps``, ``unloaded``.
 
@@ -75,20 +78,31 @@ from typing import IO, Any
 import aiohttp
 import grpc
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
 from hetero_pd.v1 import scheduler_pb2 as s
 from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
 from hpd_fleet.cgroups import remove_stale
-from hpd_fleet.real_fleet import FleetFile, FleetStack, load_fleet
-from hpd_sim.traces import load_trace
+from hpd_fleet.fleet_sim import cluster_of, sim_goodput
+from hpd_fleet.loadgen import (
+    Job,
+    Mix,
+    Result,
+    drained,
+    engine_counts,
+    for_arm,
+    jobs_at,
+    run_point,
+    saturated,
+    shapes,
+    stream_one,
+)
+from hpd_fleet.real_fleet import FleetStack, load_fleet
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_FLEET = HERE / "fleets" / "unequal.yaml"
 AZURE = HERE.parent / "data" / "traces" / "azure_llm_2023_conv.csv"
 
 UNLOADED = 6
-CAPACITY_CLIENTS = 4
 CAPACITY_LEVELS = (2, 4, 8, 16, 32)
 TTFT_SLO_X = 4.0
 TPOT_SLO_X = 3.0
@@ -101,25 +115,6 @@ POLICIES = ("round_robin", "power_of_two", "cache_aware", "random", "consistent_
 QUICK_POLICIES = ("round_robin", "power_of_two", "cache_aware")
 """Every policy of the pinned router that applies without KV events (``kv_aware`` needs the
 engines' KV event feed wired into the router: not run, see bench/README.md)."""
-VOCAB = (100, 1000)
-
-
-@dataclass(frozen=True, slots=True)
-class Job:
-    """One request of a point: arrival offset (s), prompt token ids, output tokens."""
-
-    at_s: float
-    prompt: tuple[int, ...]
-    max_tokens: int
-
-
-@dataclass
-class Result:
-    rid: str
-    status: int = 0  # HTTP status; 599: no answer
-    ttft_s: float = 0.0
-    tpot_s: float = 0.0
-    tokens: int = 0
 
 
 @dataclass
@@ -131,209 +126,11 @@ class Point:
     engines: dict[str, float] = field(default_factory=dict)
 
 
-# -- traffic ------------------------------------------------------------------------------
-
-
-def _scale(values: list[int], budget: int) -> list[int]:
-    """Lengths scaled so their 99th percentile is ``budget`` (the shape kept), each in
-    [1, budget]."""
-    p99 = sorted(values)[int(0.99 * (len(values) - 1))] or 1
-    return [max(1, min(budget, round(v * budget / p99))) for v in values]
-
-
-Shape = tuple[tuple[int, ...], int]
-
-
-def shapes(
-    mix: str, n: int, fleet: FleetFile, rng: random.Random
-) -> list[tuple[tuple[int, ...], int]]:
-    """``n`` (prompt token ids, output tokens) of the mix (module docstring, step 3)."""
-    budget = fleet.max_model_len - MAX_OUTPUT - 8
-    if mix == "azure":
-        trace = load_trace(AZURE).requests
-        drawn = [trace[rng.randrange(len(trace))] for _ in range(n)]
-        prompts = _scale([r.prompt_tokens for r in drawn], budget)
-        outputs = _scale([r.output_tokens for r in drawn], MAX_OUTPUT)
-        return [(_tokens(rng, p), o) for p, o in zip(prompts, outputs, strict=True)]
-    systems = [_tokens(rng, rng.randrange(64, 256)) for _ in range(4)]
-    out: list[Shape] = []
-    while len(out) < n:
-        convo = systems[rng.randrange(len(systems))]
-        for _ in range(rng.randrange(2, 6)):
-            convo = convo + _tokens(rng, rng.randrange(16, 96))
-            if len(convo) > budget:
-                break
-            answer = rng.randrange(8, MAX_OUTPUT + 1)
-            out.append((convo, answer))
-            convo = convo + _tokens(rng, answer)  # the answer, as the next turn sends it
-    return out[:n]
-
-
-def _tokens(rng: random.Random, n: int) -> tuple[int, ...]:
-    return tuple(rng.randrange(*VOCAB) for _ in range(n))
-
-
-def jobs_at(rate: float, window_s: float, mix: str, fleet: FleetFile, seed: int) -> list[Job]:
-    """Poisson arrivals at ``rate`` over ``window_s`` with the mix's shapes."""
-    rng = random.Random(seed)
-    times: list[float] = []
-    t = rng.expovariate(rate)
-    while t < window_s:
-        times.append(t)
-        t += rng.expovariate(rate)
-    got = shapes(mix, len(times), fleet, rng)
-    return [Job(at, p, o) for at, (p, o) in zip(times, got, strict=True)]
-
-
-def for_arm(jobs: list[Job], arm_index: int) -> list[Job]:
-    """The same jobs with their token ids shifted by a per-arm offset (a bijection on the
-    vocabulary): the lengths, arrival times and the prefixes shared inside the mix stay,
-    but no arm finds another's prompts in an engine's prefix cache."""
-    lo, hi = VOCAB
-    span, shift = hi - lo, 97 * (arm_index + 1)
-    return [
-        Job(j.at_s, tuple(lo + (t - lo + shift) % span for t in j.prompt), j.max_tokens)
-        for j in jobs
-    ]
-
-
-# -- the client ---------------------------------------------------------------------------
-
-
-async def stream_one(
-    http: aiohttp.ClientSession, url: str, job: Job, rid: str, headers: dict[str, str]
-) -> Result:
-    body = {"model": "tiny", "prompt": list(job.prompt), "max_tokens": job.max_tokens,
-            "ignore_eos": True, "stream": True, "temperature": 0}  # fmt: skip
-    res = Result(rid)
-    t0 = time.perf_counter()
-    first = last = 0.0
-    try:
-        async with http.post(url + "/v1/completions", json=body,
-                             headers={**headers, "x-request-id": rid}) as resp:  # fmt: skip
-            res.status = resp.status
-            if resp.status != 200:
-                await resp.read()
-                return res
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
-                    break
-                event = json.loads(payload)
-                if "error" in event:
-                    res.status = 502
-                    return res
-                if event.get("choices"):
-                    last = time.perf_counter()
-                    res.tokens += 1
-                    if res.tokens == 1:
-                        first = last
-    except (aiohttp.ClientError, TimeoutError):
-        res.status = 599
-        return res
-    if res.tokens:
-        res.ttft_s = first - t0
-        res.tpot_s = (last - first) / (res.tokens - 1) if res.tokens > 1 else 0.0
-    else:
-        res.status = 502
-    return res
-
-
-async def run_point(
-    url: str, jobs: list[Job], arm: str, tag: str, headers: dict[str, str]
-) -> list[Result]:
-    """Every job sent at its arrival time (open loop); all answers awaited."""
-    timeout = aiohttp.ClientTimeout(total=300, sock_connect=10)
-    async with aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0), timeout=timeout
-    ) as http:
-        t0 = time.perf_counter()
-
-        async def at(i: int, job: Job) -> Result:
-            await asyncio.sleep(max(0.0, t0 + job.at_s - time.perf_counter()))
-            return await stream_one(http, url, job, f"{tag}-{arm}-{i}", headers)
-
-        return list(await asyncio.gather(*(at(i, j) for i, j in enumerate(jobs))))
-
-
-# -- engines ------------------------------------------------------------------------------
-
-
-async def engine_counts(stack: FleetStack) -> dict[str, float]:
-    """Requests each engine has finished (``vllm:request_success_total``)."""
-    out: dict[str, float] = {}
-    async with aiohttp.ClientSession() as http:
-        for name, e in stack.engines.items():
-            async with http.get(e.url + "/metrics") as resp:
-                text = await resp.text()
-            total = 0.0
-            for fam in text_string_to_metric_families(text):
-                if fam.name == "vllm:request_success":
-                    total += sum(smp.value for smp in fam.samples if smp.name.endswith("_total"))
-            out[name] = total
-    return out
-
-
-async def drained(stack: FleetStack, timeout_s: float = 120.0) -> None:
-    """Until no engine has a request running or waiting."""
-    deadline = time.monotonic() + timeout_s
-    async with aiohttp.ClientSession() as http:
-        while time.monotonic() < deadline:
-            busy = 0.0
-            for e in stack.engines.values():
-                async with http.get(e.url + "/metrics") as resp:
-                    text = await resp.text()
-                for fam in text_string_to_metric_families(text):
-                    if fam.name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
-                        busy += sum(smp.value for smp in fam.samples)
-            if busy == 0:
-                return
-            await asyncio.sleep(0.5)
-
-
-async def closed_loop(
-    http: aiohttp.ClientSession, url: str, work: list[Shape], clients: int, seconds: float
-) -> float:
-    """Requests/s served with ``clients`` requests in flight for ``seconds``."""
-    done = 0
-    stop = time.perf_counter() + seconds
-
-    async def client(k: int) -> None:
-        nonlocal done
-        i = k
-        while time.perf_counter() < stop:
-            prompt, out = work[i % len(work)]
-            i += clients
-            done += (await stream_one(http, url, Job(0, prompt, out), "cap", {})).status == 200
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(client(k) for k in range(clients)))
-    return done / (time.perf_counter() - t0)
-
-
-async def saturated(
-    http: aiohttp.ClientSession, url: str, work: list[Shape], seconds: float
-) -> tuple[float, int]:
-    """(requests/s, in flight) at saturation: the best rate over ``CAPACITY_LEVELS``
-    requests in flight in turn. An engine batches its decodes, so one level alone
-    understates it (4 in flight measured 4.5 req/s on an engine that then served 8.3 req/s
-    open loop with every request in SLO)."""
-    best, at = 0.0, 0
-    for clients in CAPACITY_LEVELS:
-        rps = await closed_loop(http, url, work, clients, seconds / len(CAPACITY_LEVELS))
-        if rps > best:
-            best, at = rps, clients
-    return best, at
-
-
 async def unloaded_and_capacity(
-    stack: FleetStack, mix: str, rng: random.Random, seconds: float
+    stack: FleetStack, mix: Mix, rng: random.Random, seconds: float
 ) -> tuple[dict[str, Any], float]:
     """Per engine: unloaded TTFT and TPOT (median of ``UNLOADED`` requests one at a time)
-    and requests/s with ``CAPACITY_CLIENTS`` in flight; the fleet's capacity is the sum."""
+    and its saturation throughput (``CAPACITY_LEVELS``); the fleet's capacity is the sum."""
     per: dict[str, dict[str, float]] = {}
     ttfts: list[float] = []
     tpots: list[float] = []
@@ -343,14 +140,14 @@ async def unloaded_and_capacity(
             if stack.fleet.disaggregated:
                 continue  # a lone prefill or decode engine cannot serve a request
             got = []
-            for i, (prompt, out) in enumerate(shapes(mix, UNLOADED, stack.fleet, rng)):
+            for i, (prompt, out) in enumerate(shapes(mix, UNLOADED, rng)):
                 r = await stream_one(http, e.url, Job(0, prompt, out), f"u-{name}-{i}", {})
                 if r.status == 200:
                     got.append(r)
             ttfts += [r.ttft_s for r in got]
             tpots += [r.tpot_s for r in got if r.tokens > 1]
-            work = shapes(mix, 400, stack.fleet, rng)
-            rps, clients = await saturated(http, e.url, work, seconds)
+            work = shapes(mix, 400, rng)
+            rps, clients = await saturated(http, e.url, work, seconds, CAPACITY_LEVELS)
             per[name] = {
                 "ttft_ms_p50": statistics.median(r.ttft_s for r in got) * 1000 if got else 0.0,
                 "tpot_ms_p50": statistics.median(r.tpot_s for r in got) * 1000 if got else 0.0,
@@ -373,7 +170,7 @@ async def unloaded_and_capacity(
 
 
 async def _through_router(
-    stack: FleetStack, mix: str, rng: random.Random, seconds: float
+    stack: FleetStack, mix: Mix, rng: random.Random, seconds: float
 ) -> tuple[dict[str, dict[str, float]], list[float], list[float]]:
     """For a disaggregated fleet: the unloaded figures and capacity through the router
     (round robin), which runs vLLM's P/D hand-off (a lone prefill engine serves nothing)."""
@@ -381,12 +178,12 @@ async def _through_router(
     timeout = aiohttp.ClientTimeout(total=300)
     got: list[Result] = []
     async with aiohttp.ClientSession(timeout=timeout) as http:
-        for i, (prompt, out) in enumerate(shapes(mix, UNLOADED * 2, stack.fleet, rng)):
+        for i, (prompt, out) in enumerate(shapes(mix, UNLOADED * 2, rng)):
             r = await stream_one(http, url, Job(0, prompt, out), f"u-pd-{i}", {})
             if r.status == 200:
                 got.append(r)
-        work = shapes(mix, 400, stack.fleet, rng)
-        rps = await closed_loop(http, url, work, CAPACITY_CLIENTS * len(stack.engines), seconds)
+        work = shapes(mix, 400, rng)
+        rps, _ = await saturated(http, url, work, seconds, CAPACITY_LEVELS)
     stack.stop_router()
     await drained(stack)
     per = {"fleet(pd)": {"capacity_rps": rps}}
@@ -396,8 +193,9 @@ async def _through_router(
 # -- the gateway's side -------------------------------------------------------------------
 
 
-def set_tiers(stack: FleetStack, ttft_ms: float, tpot_ms: float) -> None:
-    """The default profile with its ``standard`` tier at the benchmark's targets."""
+def set_tiers(stack: FleetStack, ttft_ms: float, tpot_ms: float) -> str:
+    """The default profile with its ``standard`` tier at the benchmark's targets (its YAML
+    is returned: the simulator plans with the same)."""
     from importlib import resources
 
     text = (
@@ -408,10 +206,12 @@ def set_tiers(stack: FleetStack, ttft_ms: float, tpot_ms: float) -> None:
     doc = yaml.safe_load(text)
     std = doc["tiers"]["classes"]["standard"]
     std["ttft_ms"], std["tpot_ms"] = round(ttft_ms, 1), round(tpot_ms, 2)
+    text = yaml.safe_dump(doc, sort_keys=False)
     with grpc.insecure_channel(stack.addrs["scheduler"]) as ch:
         s_grpc.SchedulerServiceStub(ch).ReloadPolicy(
-            s.ReloadPolicyRequest(profile_yaml=yaml.safe_dump(doc, sort_keys=False)), timeout=10
+            s.ReloadPolicyRequest(profile_yaml=text), timeout=10
         )
+    return text
 
 
 def estimate_ratios(
@@ -526,17 +326,18 @@ async def measure(stack: FleetStack, args: argparse.Namespace) -> dict[str, Any]
     rng = random.Random(args.seed)
     quick = args.quick
     print("unloaded latency and capacity per engine ...", file=sys.stderr)
-    unloaded, capacity = await unloaded_and_capacity(stack, args.mix, rng, 12 if quick else 25)
+    mix = Mix(args.mix, AZURE, stack.fleet.max_model_len, MAX_OUTPUT)
+    unloaded, capacity = await unloaded_and_capacity(stack, mix, rng, 12 if quick else 25)
     slo = {"ttft_ms": TTFT_SLO_X * unloaded["fleet"]["ttft_ms_p50"],
            "tpot_ms": TPOT_SLO_X * unloaded["fleet"]["tpot_ms_p50"]}  # fmt: skip
     print(f"capacity {capacity:.2f} req/s; SLO TTFT {slo['ttft_ms']:.0f} ms, TPOT "
           f"{slo['tpot_ms']:.1f} ms", file=sys.stderr)  # fmt: skip
-    set_tiers(stack, slo["ttft_ms"], slo["tpot_ms"])
+    profile_yaml = set_tiers(stack, slo["ttft_ms"], slo["tpot_ms"])
     tier = {"x-hpd-tier": "standard"}
     tag = f"rf{int(time.time())}"
     n_warm = WARMUP_PER_ENGINE * len(stack.engines)
     warm_rate = capacity / 3
-    warm = jobs_at(warm_rate, n_warm / warm_rate, args.mix, stack.fleet, args.seed + 1)
+    warm = jobs_at(warm_rate, n_warm / warm_rate, mix, args.seed + 1)
     print(f"warm-up: {len(warm)} requests through the gateway ...", file=sys.stderr)
     await run_point(stack.gateway_url, warm, "warmup", tag, tier)
     await drained(stack)
@@ -546,9 +347,11 @@ async def measure(stack: FleetStack, args: argparse.Namespace) -> dict[str, Any]
     arms = ["hetero-pd", *(f"vllm-router:{p}" for p in policies)]
     points: list[dict[str, Any]] = []
     ours_rids: list[str] = []
+    jobs_by_rate: list[list[Job]] = []
     for k, x in enumerate(rates):
         rate = x * capacity
-        jobs = jobs_at(rate, window, args.mix, stack.fleet, args.seed + 100 + k)
+        jobs = jobs_at(rate, window, mix, args.seed + 100 + k)
+        jobs_by_rate.append(jobs)
         order = arms if k % 2 == 0 else list(reversed(arms))
         for arm in order:
             url = stack.gateway_url
@@ -581,12 +384,14 @@ async def measure(stack: FleetStack, args: argparse.Namespace) -> dict[str, Any]
         f"{x:g}x": error_figures([r for r in ratios if r[0].startswith(f"{tag}-{k}-")])
         for k, x in enumerate(rates)
     }
+    sim = sim_versus_real(stack, unloaded, points, jobs_by_rate, window, slo, profile_yaml)
     return {
         **headline(points),
+        "sim_vs_real_goodput": sim.get("sim_vs_real_goodput"),
+        "sim": sim,
         "ttft_estimate_error_p50": overall["all"]["p50"],
         "ttft_estimate_error_p90": overall["all"]["p90"],
         "ttft_estimate_error": {"overall": overall, "by_rate": by_rate},
-        "sim_vs_real_goodput": None,
         "slo": {k: round(v, 2) for k, v in slo.items()},
         "capacity_rps": round(capacity, 3),
         "unloaded": unloaded,
@@ -596,6 +401,39 @@ async def measure(stack: FleetStack, args: argparse.Namespace) -> dict[str, Any]
         "warmup_requests": len(warm),
         "window_s": window,
         "quick": quick,
+    }
+
+
+def sim_versus_real(
+    stack: FleetStack,
+    unloaded: dict[str, Any],
+    points: list[dict[str, Any]],
+    jobs_by_rate: list[list[Job]],
+    window: float,
+    slo: dict[str, float],
+    profile_yaml: str,
+) -> dict[str, Any]:
+    """``sim_vs_real_goodput`` (``real_fleet_sim``) at the rate where our goodput peaked."""
+    ours = [p for p in points if p["arm"] == "hetero-pd"]
+    if not ours:
+        return {"sim_vs_real_goodput": None, "why": "no point of ours"}
+    k = max(range(len(ours)), key=lambda i: ours[i]["goodput_rps"])
+    jobs = jobs_by_rate[k]
+    mean_ctx = statistics.fmean(len(j.prompt) + j.max_tokens / 2 for j in jobs)
+    doc = cluster_of(stack, unloaded, mean_ctx)
+    if doc is None:
+        return {"sim_vs_real_goodput": None, "why": "a disaggregated fleet is not written"}
+    got = sim_goodput(
+        doc, [(j.at_s, len(j.prompt), j.max_tokens) for j in jobs], window, slo, profile_yaml
+    )
+    real = ours[k]["goodput_rps"]
+    ratio = got["goodput_rps"] / real if real else None
+    return {
+        "sim_vs_real_goodput": None if ratio is None else round(ratio, 3),
+        "at_rate_rps": ours[k]["rate_rps"],
+        "real_goodput_rps": real,
+        "sim": got,
+        "cluster": doc,
     }
 
 

@@ -4,12 +4,15 @@ them and their prices, read from YAML and validated with the offending key named
 A cluster document::
 
     name: default
-    model: llama-3-8b                 # a model of hpd_common.perfmodel.MODELS
+    model: llama-3-8b                 # a model of hpd_common.perfmodel.MODELS, or its
+                                      # numbers: {name, params_b, num_layers, num_kv_heads,
+                                      # head_dim, hidden_size}
     efficiency: {prefill_mfu: 0.5, decode_mbu: 0.7, tp_efficiency: 0.9}   # optional
     defaults: {memory_fraction: 0.9, max_batch_size: 256, nic_gbps: 200}
     pools:
       - id: h100-prefill-a            # unique pool id
-        gpu: H100-SXM                 # a GPU profile (hpd_common.gpus)
+        gpu: H100-SXM                 # a GPU profile (hpd_common.gpus), or its figures:
+                                      # {name, peak_tflops, hbm_gbps, hbm_gib, price_per_hour}
         count: 2                      # workers in the pool
         tp: 1                         # GPUs per worker (tensor parallel degree)
         stage: prefill                # prefill | decode | both
@@ -152,8 +155,17 @@ class ClusterSpec:
         """Static worker views (no load report), one per worker, ids ``<pool>-<n>``; the
         simulator fills in load and KV figures per decision."""
         views: list[WorkerView] = []
+        # a model or GPU the tables do not know reaches the planner as an agent's
+        # registration carries it: the model's size as labels, the GPU's figures in the spec
+        model_labels: dict[str, str] = {}
+        if not _known_model(self.model):
+            model_labels = {
+                "model-params": str(round(self.model.params_b * 1e9)),
+                "model-attention-width": str(self.model.hidden_size),
+            }
         for pool in self.pools:
             fmt = self.kv_format(pool)
+            declared = not _known_gpu(pool.gpu)
             kv_tokens = perfmodel.max_kv_tokens(
                 self.model, pool.gpu, pool.tp, pool.memory_fraction, pool.kv_dtype
             )
@@ -181,7 +193,9 @@ class ClusterSpec:
                                 host=f"{pool.pool_id}-{i}",
                                 nic_gbps=pool.nic_gbps,
                             ),
-                            labels=tuple(sorted(pool.labels.items())),
+                            labels=tuple(sorted({**pool.labels, **model_labels}.items())),
+                            peak_tflops=pool.gpu.peak_tflops_bf16 if declared else 0.0,
+                            hbm_gbps=pool.gpu.hbm_gbps if declared else 0.0,
                         ),
                         kv_available_bytes=kv_total,
                     )
@@ -252,10 +266,7 @@ def _pool(raw: Any, key: str, defaults: Mapping[str, Any], seen: set[str]) -> Po
     if pid in seen:
         raise ClusterError(f"{key}.id", f"duplicate pool id {pid!r}")
     seen.add(pid)
-    try:
-        gpu = gpu_profile(str(raw.get("gpu", "")))
-    except UnknownGpuError as exc:
-        raise ClusterError(f"{key}.gpu", str(exc)) from None
+    gpu = _gpu(raw.get("gpu", ""), f"{key}.gpu")
     try:
         stage = Stage(str(raw.get("stage", "")))
     except ValueError:
@@ -304,6 +315,79 @@ def _pool(raw: Any, key: str, defaults: Mapping[str, Any], seen: set[str]) -> Po
     )
 
 
+_MODEL_KEYS = ("name", "params_b", "num_layers", "num_kv_heads", "head_dim", "hidden_size")
+_GPU_KEYS = ("name", "peak_tflops", "hbm_gbps", "hbm_gib", "price_per_hour")
+
+
+def _model(raw: Any) -> perfmodel.ModelSpec:
+    """A model of the table by name, or one described by its architecture numbers (a
+    mapping of ``_MODEL_KEYS``: a model the table does not know, as an agent reads it from
+    the model's ``config.json``)."""
+    if isinstance(raw, Mapping):
+        for k in raw:
+            if k not in _MODEL_KEYS:
+                raise ClusterError(f"model.{k}", f"unknown key; known: {list(_MODEL_KEYS)}")
+        name = raw.get("name")
+        if not isinstance(name, str) or not name:
+            raise ClusterError("model.name", "must be a non-empty string")
+        try:
+            return perfmodel.ModelSpec(
+                name,
+                float(_num(raw.get("params_b"), "model.params_b", 1e-9)),
+                num_layers=_num(raw.get("num_layers"), "model.num_layers", 1, integer=True),
+                num_kv_heads=_num(raw.get("num_kv_heads"), "model.num_kv_heads", 1, integer=True),
+                head_dim=_num(raw.get("head_dim"), "model.head_dim", 1, integer=True),
+                hidden_size=_num(raw.get("hidden_size"), "model.hidden_size", 1, integer=True),
+            )
+        except ValueError as exc:
+            raise ClusterError("model", str(exc)) from None
+    try:
+        return perfmodel.model_spec(str(raw))
+    except perfmodel.UnknownModelError as exc:
+        raise ClusterError("model", str(exc)) from None
+
+
+def _gpu(raw: Any, key: str) -> GpuProfile:
+    """A GPU of the table by name, or one described by its figures (a mapping of
+    ``_GPU_KEYS``: what an agent declares with ``--peak-tflops`` / ``--hbm-gbps``)."""
+    if isinstance(raw, Mapping):
+        for k in raw:
+            if k not in _GPU_KEYS:
+                raise ClusterError(f"{key}.{k}", f"unknown key; known: {list(_GPU_KEYS)}")
+        name = raw.get("name")
+        if not isinstance(name, str) or not name:
+            raise ClusterError(f"{key}.name", "must be a non-empty string")
+        return GpuProfile(
+            name,
+            float(_num(raw.get("peak_tflops"), f"{key}.peak_tflops", 1e-9)),
+            0.0,
+            float(_num(raw.get("hbm_gib"), f"{key}.hbm_gib", 1e-9)),
+            float(_num(raw.get("hbm_gbps"), f"{key}.hbm_gbps", 1e-9)),
+            0.0,
+            float(_num(raw.get("price_per_hour", 0.0), f"{key}.price_per_hour", 0.0)),
+        )
+    try:
+        return gpu_profile(str(raw))
+    except UnknownGpuError as exc:
+        raise ClusterError(key, str(exc)) from None
+
+
+def _known_gpu(gpu: GpuProfile) -> bool:
+    try:
+        gpu_profile(gpu.name)
+    except UnknownGpuError:
+        return False
+    return True
+
+
+def _known_model(model: perfmodel.ModelSpec) -> bool:
+    try:
+        perfmodel.model_spec(model.name)
+    except perfmodel.UnknownModelError:
+        return False
+    return True
+
+
 def _flag(value: Any, key: str) -> bool:
     if not isinstance(value, bool):
         raise ClusterError(key, f"must be true or false, got {value!r}")
@@ -317,10 +401,7 @@ def parse_cluster(doc: Any) -> ClusterSpec:
     for k in doc:
         if k not in _TOP_KEYS:
             raise ClusterError(str(k), f"unknown key; known: {sorted(_TOP_KEYS)}")
-    try:
-        model = perfmodel.model_spec(str(doc.get("model", "")))
-    except perfmodel.UnknownModelError as exc:
-        raise ClusterError("model", str(exc)) from None
+    model = _model(doc.get("model", ""))
     eff_raw = doc.get("efficiency", {}) or {}
     if not isinstance(eff_raw, Mapping):
         raise ClusterError("efficiency", "must be a mapping")
