@@ -5,6 +5,7 @@ come in, and serves fewer requests' prefills for it."""
 from __future__ import annotations
 
 import collections
+from dataclasses import replace
 
 from hpd_scheduler.policy import builtin_profile
 from hpd_sim import SimConfig, attainment, parse_cluster, simulate
@@ -54,3 +55,28 @@ def test_a_pool_slower_than_declared_is_learned_and_given_fewer_prefills() -> No
     assert pools["slow-prefill"] < 0.3 * blind_pools["slow-prefill"], (pools, blind_pools)
     assert p90 < 0.8 * blind_p90
     assert att >= blind_att
+
+
+def test_a_cluster_may_describe_a_model_and_gpu_the_tables_do_not_know() -> None:
+    """As ``hpd_fleet.fleet_sim`` writes a running fleet: the model by its numbers, the GPU by
+    what the agents declare; the planner inside the simulator resolves them as it resolves
+    an agent's registration (labels and spec figures), and requests are served."""
+    doc = {
+        "model": {"name": "tiny", "params_b": 0.003, "num_layers": 2, "num_kv_heads": 2,
+                  "head_dim": 32, "hidden_size": 128},
+        "pools": [{"id": "cpu", "gpu": {"name": "cpu-core", "peak_tflops": 0.5,
+                   "hbm_gbps": 20, "hbm_gib": 1.2}, "stage": "both", "kv_connector": False,
+                   "actual": {"prefill_fixed_ms": 15.0, "decode_scale": 20.0}}],
+    }  # fmt: skip
+    cluster = parse_cluster(doc)
+    (view,) = cluster.worker_views()
+    assert view.peak_tflops == 0.5 and view.hbm_gbps == 20
+    assert view.labels["model-params"] == "3000000"
+    w = next(x for x in WORKLOADS if x.name == "azure_conv")
+    trace = load_workload(w, 50)
+    small = [replace(r, prompt_tokens=min(r.prompt_tokens, 500), output_tokens=8)
+             for r in trace.requests]  # fmt: skip
+    res = simulate(cluster, DEFAULT, small, SimConfig(seed=0))
+    done = [o for o in res.outcomes if not o.rejected]
+    assert len(done) == len(small)
+    assert min(o.ttft_ms for o in done) >= 15.0  # the fixed cost the pool really pays
