@@ -112,6 +112,11 @@ class RealFleet:
         ]  # fmt: skip
         if e.side_channel:
             args += ["--kv-connector", "nixl", "--kv-side-channel", e.side_channel]
+        if role == "decode":
+            # the P/D pair's decode engine only decodes (as in a router's P/D mode): with
+            # measured speeds, recomputing a short prompt on it is faster than the hand-off
+            # on these CPU engines, and the tests here are about the hand-off
+            args += ["--labels", "local-prefill=never"]
         if e.kv_events:
             args += ["--kv-events-endpoint", e.kv_events, "--kv-events-topic", "kv"]
         if e.kv_replay:

@@ -8,7 +8,17 @@ from dataclasses import replace
 
 import pytest
 
-from hpd_scheduler.policy import Fleet, LearnedSpeed, Planner, Stage, builtin_profile
+from hpd_scheduler.policy import (
+    Fleet,
+    LearnedSpeed,
+    Link,
+    LinkModel,
+    Mode,
+    Planner,
+    Stage,
+    builtin_profile,
+)
+from hpd_scheduler.policy.pairing import NO_LOCAL_LABEL, NO_LOCAL_VALUE
 
 from .builders import NOW, request, worker
 
@@ -71,3 +81,33 @@ def test_a_plan_carries_the_nominal_terms_of_its_prefill() -> None:
     assert e.prefill_wait_ms + e.prefill_ms == pytest.approx(
         10.0 * e.prefill_nominal_ms + 40.0 * (1.0 + ahead), rel=1e-6
     )
+
+
+def test_a_decode_worker_labelled_never_to_prefill_gets_transfers_however_slow() -> None:
+    """``local-prefill=never``: measured, the link is slower than the decode worker
+    recomputing (a 200 ms hand-off), so the planner would recompute; the operator's label
+    keeps the decode engine's batches free of prefills, and the plan transfers. Where no KV
+    can reach it the label gives way: it recomputes rather than refuse."""
+    slow_link = Link(gbps=100.0, latency_ms=200.0)
+    views = [
+        worker("p", Stage.PREFILL, pool="pp", rack="r1"),
+        worker("d", Stage.DECODE, pool="dp", rack="r1"),
+    ]
+    links = LinkModel(pool_overrides={("pp", "dp"): slow_link})
+    free = Planner(DEFAULT).plan(
+        request(1000, 64, "standard"), Fleet.build(views, NOW, links=links), NOW,
+        random.Random(0),
+    )  # fmt: skip
+    assert free.plan is not None and free.plan.mode is Mode.RECOMPUTE
+    labelled = [views[0], worker("d", Stage.DECODE, pool="dp", rack="r1",
+                                 labels={NO_LOCAL_LABEL: NO_LOCAL_VALUE})]  # fmt: skip
+    kept = Planner(DEFAULT).plan(
+        request(1000, 64, "standard"), Fleet.build(labelled, NOW, links=links), NOW,
+        random.Random(0),
+    )  # fmt: skip
+    assert kept.plan is not None and kept.plan.mode is Mode.TRANSFER
+    # no prefill worker at all: it serves the request itself
+    alone = Planner(DEFAULT).plan(
+        request(1000, 64, "standard"), Fleet.build(labelled[1:], NOW), NOW, random.Random(0)
+    )
+    assert alone.plan is not None and alone.plan.mode is Mode.RECOMPUTE

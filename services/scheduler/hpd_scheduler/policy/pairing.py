@@ -17,7 +17,15 @@ from .domain import Mode, Role, Stage
 from .framework import Candidate, Option, RequestContext, Scorer
 from .preselect import Preselection
 
-__all__ = ["Pairing", "handoff_cost", "own_ms"]
+__all__ = ["NO_LOCAL_LABEL", "NO_LOCAL_VALUE", "Pairing", "handoff_cost", "own_ms"]
+
+NO_LOCAL_LABEL = "local-prefill"
+NO_LOCAL_VALUE = "never"
+"""A decode-only worker labelled ``local-prefill=never`` is offered no prefill of its own
+(recompute) while some prefill worker's KV can reach it: the operator keeps its batches
+free of prefills whatever the estimates say (a transfer slower than recomputing is
+planned all the same). Where no KV can reach it, it still recomputes: serving beats
+refusing."""
 
 
 class Pairing:
@@ -106,7 +114,13 @@ class Pairing:
             # a worker serving both stages always offers SAME_POOL; a decode-only worker
             # recomputes when some pair's KV cannot reach it faster (seed rule), or always
             # under conditional disaggregation, where the SLO objective decides
+            # an operator may keep a decode-only engine from ever prefilling while a
+            # transfer can reach it (label ``local-prefill=never``: its batches are never
+            # held up by a prefill, as in a router's fixed P/D mode)
+            never = bool(pcands) and dws.view.labels.get(NO_LOCAL_LABEL) == NO_LOCAL_VALUE
             need_local = colocated or dws.view.stage is Stage.BOTH or not pcands or local_always
+            if never and dws.view.stage is not Stage.BOTH:
+                need_local = False
             if not colocated:
                 for p, pws, bpt, ahead in sources:
                     if pws is dws:
@@ -118,7 +132,7 @@ class Pairing:
                     kv = missing * bpt
                     conv = kv * terms[2]
                     xfer = kv * terms[0] + terms[1] + conv
-                    if xfer > recompute_ms:
+                    if xfer > recompute_ms and not never:
                         need_local = True
                         continue
                     o = Option(
