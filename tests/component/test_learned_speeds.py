@@ -16,7 +16,7 @@ from prometheus_client import REGISTRY
 
 from hetero_pd.v1 import common_pb2 as c
 from hetero_pd.v1 import scheduler_pb2 as s
-from hpd_scheduler.learning import MIN_SAMPLES
+from hpd_scheduler.policy.learning import MIN_SAMPLES
 from hpd_tools.embedded_redis import EmbeddedRedis
 from tests.support.scheduler import IDLE, SchedulerHandle, own_scheduler, register, sched
 from tests.support.servers import RegistryHandle
@@ -65,7 +65,9 @@ async def test_replicas_plan_a_slow_worker_at_the_speed_either_one_measured(
                 await a.stub.Schedule(sched(rid, prompt=prompt, model=model), timeout=5)
             ttft = 50.0 + 30.0 * cap.prefill_ms(prompt)
             await a.stub.ReportOutcome(
-                s.ReportOutcomeRequest(request_id=rid, success=True, ttft_ms=ttft, tpot_ms=20),
+                s.ReportOutcomeRequest(
+                    request_id=rid, success=True, ttft_ms=ttft, prefill_ms=ttft, tpot_ms=20
+                ),
                 timeout=5,
             )
             if a.service.observed.learner.prefill(wid) is not None:

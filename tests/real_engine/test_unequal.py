@@ -5,7 +5,7 @@ Both serve both stages without a KV connector (``cache_pair``'s engines: two NIX
 and a third do not fit the machine's two cores, see the conftest), so every request runs
 whole on the engine the scheduler picks and its TTFT is that engine's prefill phase. Their
 agents declare the same GPU type and figures; the scheduler's learner
-(``hpd_scheduler.learning``) fits each engine's speed from the gateway's outcomes.
+(``hpd_scheduler.policy.learning``) fits each engine's speed from the gateway's outcomes.
 
 * after a warm-up of ``WARMUP`` requests one at a time (each engine needs the learner's
   ``MIN_SAMPLES`` of its own; the slow one gets them because, unlearned, its declaration

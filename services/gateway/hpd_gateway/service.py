@@ -351,6 +351,7 @@ class Gateway:
     ) -> None:
         params: dict[str, Any] | None = None
         prefilled = False
+        t_step = self._clock()
         try:
             if step.mode == TRANSFER:
                 t_p = self._clock()
@@ -372,7 +373,7 @@ class Gateway:
                 params, prefilled = kv, True
             body = decode_body(req, params)
             if req.stream:
-                await self._stream(req, step, body, session, plan, sink, t0, out)
+                await self._stream(req, step, body, session, plan, sink, (t0, t_step), out)
             else:
                 try:
                     reply = await self.engines.post_json(step.decode_endpoint, req.path, body)
@@ -404,9 +405,14 @@ class Gateway:
         session: str,
         plan: Plan,
         sink: Sink,
-        t0: float,
+        times: tuple[float, float],
         out: Outcome,
     ) -> None:
+        """Stream the decode engine's answer; ``times``: when the request and this step
+        began. A step served on one engine reports that engine's time to its first token as
+        its ``prefill_ms`` (what the scheduler's learner fits; the gateway's own time before
+        the step is no engine's)."""
+        t0, t_step = times
         sent = 0
         started = False
         first = last = 0.0
@@ -433,6 +439,8 @@ class Gateway:
                     await sink.start_stream()
                     first = self._clock()
                     out.ttft_ms = (first - t0) * 1000
+                    if step.mode != TRANSFER:
+                        out.prefill_ms = (first - t_step) * 1000
                     if session:
                         self._background(self.control.session_done(session))
                 await sink.send(b"data: " + payload + b"\n\n")

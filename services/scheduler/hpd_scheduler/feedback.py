@@ -17,10 +17,10 @@ What an outcome teaches (ms unless stated):
   ``kv_bytes x 8 / (transfer_ms x 10^6)``; latency is folded into the rate.
 
 Failed outcomes release capacity but teach nothing: an error says nothing about speed.
-The speeds a worker's prefill and a pool pair's hand-off really run at are fitted from the
-same outcomes by ``learning.py`` (``learner``), from samples every replica shares; the
-averages here fill what that fit does not cover (ITL, and a worker's speed until its fit
-has enough samples).
+The speed a worker's prefill really runs at is fitted from the same outcomes by
+``policy/learning.py`` (``learner``), from samples every replica shares; the averages here
+fill what that fit does not cover (ITL, the link rates, and a worker's speed while no
+worker of its model has a fit).
 How the figures are used: ``views.py`` puts them into the worker views the planner sees
 (the cost model corrects prefill and step times from them) and the link model's
 per-pool-pair overrides; ``GetRecommendations`` reports them.
@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hpd_scheduler.learning import SpeedLearner
+from hpd_scheduler.policy.learning import SpeedLearner
 
 __all__ = ["Ewma", "Observation", "ObservedEstimates"]
 
@@ -118,8 +118,8 @@ class ObservedEstimates:
         self.link_gbps: dict[tuple[str, str], Ewma] = {}
         self.version: dict[str, int] = {}
         self.links_version = 0
-        # the prefill and hand-off speeds fitted from the outcomes of every replica
-        # (learning.py); the views and the link table take them over these averages
+        # the prefill speeds fitted from the outcomes of every replica (policy/learning.py);
+        # the views take them over these averages
         self.learner = SpeedLearner()
 
     def observe(self, obs: Observation, now_s: float) -> None:
@@ -144,9 +144,6 @@ class ObservedEstimates:
     def version_of(self, worker_id: str) -> int:
         """Changes whenever anything the worker's view takes from here changes."""
         return self.version.get(worker_id, 0) + self.learner.version.get(worker_id, 0)
-
-    def links_version_of(self) -> int:
-        return self.links_version + self.learner.links_version
 
     def samples(self, worker_id: str) -> int:
         p = self.prefill_tps.get(worker_id)

@@ -18,8 +18,8 @@ once) stays inside one slot on Redis Cluster. `<p>` is the configurable prefix (
   once it is older than the reservation TTL, so records take at most about
   cap x record size (a few KB with its explanation) whatever the request rate.
 - `<p>:{sch}:learn:<key>` (list, at most the learner's window x 2, JSON samples oldest
-  first): what outcomes measured of a worker's prefill (`p:<worker>`) or a pool pair's
-  hand-off (`h:<prefill pool>><decode pool>`), shared by every replica
+  first): what outcomes measured of a worker's prefill (`p:<worker>`), shared by every
+  replica
   (`hpd_scheduler.learn_store`); `<p>:{sch}:learnk` (set) their keys; `<p>:{sch}:learnv`
   (counter) bumped with every sample, so a replica reads them only when something changed;
 - `<p>:{sch}:dir:<worker>:<kind>` (string, TTL = directive repeat interval): the last

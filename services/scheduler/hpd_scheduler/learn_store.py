@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 from hpd_common.errors import Unavailable
 from hpd_common.redis_conn import STORE_DOWN
 from hpd_scheduler.keys import SchedulerKeys
-from hpd_scheduler.learning import WINDOW, Sample
+from hpd_scheduler.policy.learning import WINDOW, Sample
 
 __all__ = ["LearnStore"]
 

@@ -11,7 +11,7 @@ from hpd_common.errors import NotFound, PermissionDenied, Unavailable
 from hpd_common.logging import get_logger
 from hpd_scheduler import metrics
 from hpd_scheduler.feedback import observation_from
-from hpd_scheduler.learning import samples_from
+from hpd_scheduler.policy.learning import samples_from
 from hpd_scheduler.snapshot import FleetSnapshot
 from hpd_scheduler.store import Totals
 

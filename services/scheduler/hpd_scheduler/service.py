@@ -164,7 +164,7 @@ class SchedulerService(PolicyAndDirectives, OutcomeReports, RouteRecords, Schedu
         self.observed = ObservedEstimates(settings.ewma_alpha)
         self.learn_store = LearnStore(client, SchedulerKeys(settings.key_prefix))
         self._incarnations: dict[str, int] = {}
-        self._views: dict[str, tuple[int, int, WorkerView]] = {}
+        self._views: dict[str, tuple[int, tuple[int, int], WorkerView]] = {}
         self._links: tuple[int, LinkModel] = (-1, LinkModel())
         self._fleet: Fleet | None = None
         self._changed = asyncio.Event()
@@ -402,15 +402,18 @@ class SchedulerService(PolicyAndDirectives, OutcomeReports, RouteRecords, Schedu
 
     def _note_learned(self, decision: Decision, plan: RoutePlan) -> None:
         """The explanation says which speed the plan's prefill worker was planned at: its
-        learned figures (``learning.py``), or that it had none yet (its declaration)."""
+        learned figures (``policy/learning.py``), its model's measured workers' (``prior``:
+        it has none of its own yet), or its declaration (no worker of its model has any)."""
         if decision.record is None:
             return
         wid = plan.prefill_worker_id
-        got = self.observed.learner.prefill(wid)
+        ws = self.fleet().worker(wid)
+        got = ws.view.learned if ws is not None else None
+        how = "learned" if got is not None and got.samples else "prior"
         decision.record.notes.append(
             f"prefill_speed:{wid}:declared"
             if got is None
-            else f"prefill_speed:{wid}:learned:fixed_ms={got.fixed_ms:.1f}"
+            else f"prefill_speed:{wid}:{how}:fixed_ms={got.fixed_ms:.1f}"
             f":scale={got.scale:.3g}:samples={got.samples}"
         )
 

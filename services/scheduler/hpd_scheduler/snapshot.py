@@ -25,7 +25,7 @@ from hpd_scheduler.explanations import ExplanationWriter
 from hpd_scheduler.feedback import ObservedEstimates
 from hpd_scheduler.group_commit import GroupCommit
 from hpd_scheduler.learn_store import LearnStore
-from hpd_scheduler.policy import Fleet, LinkModel, WorkerView
+from hpd_scheduler.policy import Fleet, LearnedSpeed, LinkModel, WorkerView
 from hpd_scheduler.policy.prefix import PrefixIndex
 from hpd_scheduler.policy.worker_state import PromptMix
 from hpd_scheduler.prefill_due import PrefillDue
@@ -61,7 +61,7 @@ class SchedulerState:
     prefill_due: PrefillDue
     on_view_synced: Callable[[], None] | None
     _policy: PolicyState
-    _views: dict[str, tuple[int, int, WorkerView]]
+    _views: dict[str, tuple[int, tuple[int, int], WorkerView]]
     _links: tuple[int, LinkModel]
     _fleet: Fleet | None
     _changed: asyncio.Event
@@ -89,29 +89,34 @@ class FleetSnapshot(SchedulerState):
         start = time.perf_counter()
         obs = self.observed
         cache = self._views
-        fresh: dict[str, tuple[int, int, WorkerView]] = {}
+        fresh: dict[str, tuple[int, tuple[int, int], WorkerView]] = {}
         views: list[WorkerView] = []
         workers: dict[str, WorkerRecord] = self.informer.workers
         incarnations = self._incarnations
+        learner = obs.learner
         for wid, rec in workers.items():
             inc = rec.state.registered_at_ms
             if incarnations.get(wid) != inc:
                 incarnations[wid] = inc  # a new engine: its predecessor's speed is not its
-                obs.learner.forget_incarnation(wid, inc)
-            ver = obs.version_of(wid)
+                learner.forget_incarnation(wid, inc)
+        priors: dict[str, LearnedSpeed | None] = {}
+        for wid, rec in workers.items():
+            # a worker without a fit follows every fit of its model (the prior)
+            ver = (obs.version_of(wid), 0 if learner.prefill(wid) else learner.generation)
             hit = cache.get(wid)
             if hit is not None and hit[0] == rec.revision and hit[1] == ver:
                 entry = hit
             else:
-                entry = (rec.revision, ver, view_of(rec, obs))
+                model = rec.spec.model_id
+                if model not in priors:
+                    peers = [w for w, r in workers.items() if r.spec.model_id == model]
+                    priors[model] = learner.prior(peers)
+                entry = (rec.revision, ver, view_of(rec, obs, priors[model]))
             fresh[wid] = entry
             views.append(entry[2])
         self._views = fresh
-        if self._links[0] != obs.links_version_of():
-            self._links = (
-                obs.links_version_of(),
-                link_model(obs.link_gbps, learned=obs.learner.links()),
-            )
+        if self._links[0] != obs.links_version:
+            self._links = (obs.links_version, link_model(obs.link_gbps))
         prefix = self.prefix
         if self.informer.synced:
             for wid in [w for w in prefix.entries if w not in workers]:

@@ -13,7 +13,8 @@ report's ``prefill_tokens_per_s`` / ``itl_p50_ms`` of 0 means "not measured" and
 by the outcome-fed average; a worker that never reported gets a report carrying only those
 averages, dated when the last outcome arrived, so the planner's staleness confidence
 applies to them exactly as to a report. The learner's fitted prefill speed, when it has
-one, is the view's ``learned`` figure, which the planner takes over both.
+one, is the view's ``learned`` figure, which the planner takes over both; a worker without
+one gets ``prior``, its model's measured workers' median (``SpeedLearner.prior``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from hpd_registry.domain import WorkerRecord, flag_health
 from hpd_scheduler.feedback import Ewma, ObservedEstimates
 from hpd_scheduler.policy import (
     Health,
+    LearnedSpeed,
     Link,
     LinkModel,
     LoadReport,
@@ -46,6 +48,7 @@ def health_of(rec: WorkerRecord) -> Health:
 def view_of(
     rec: WorkerRecord,
     observed: ObservedEstimates | None = None,
+    prior: LearnedSpeed | None = None,
 ) -> WorkerView:
     """The planner's view of one registry record (module docstring)."""
     spec = rec.spec
@@ -78,22 +81,20 @@ def view_of(
             prefill_tokens_per_s=tps_obs.value if tps_obs else 0.0,
         )
     learned = observed.learner.prefill(spec.worker_id) if observed is not None else None
+    learned = learned or prior
     return WorkerView(
         spec, kv_available_bytes=free, health=health_of(rec), load=load, learned=learned
     )
 
 
 def link_model(
-    observed: Mapping[tuple[str, str], Ewma],
-    base: LinkModel | None = None,
-    learned: Mapping[tuple[str, str], Link] | None = None,
+    observed: Mapping[tuple[str, str], Ewma], base: LinkModel | None = None
 ) -> LinkModel:
     """The link model with observed pool-pair rates as overrides (latency folded into the
-    rate, so 0 ms), and the learner's fitted hand-offs (a latency and a rate) over both."""
+    rate, so 0 ms)."""
     base = base or LinkModel()
     overrides = dict(base.pool_overrides)
     for pair, ewma in observed.items():
         if ewma.samples and ewma.value > 0:
             overrides[pair] = Link(gbps=ewma.value, latency_ms=0.0)
-    overrides.update(learned or {})
     return LinkModel(classes=base.classes, pool_overrides=overrides)

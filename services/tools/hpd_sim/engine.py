@@ -315,11 +315,10 @@ class Simulator:
         views = [self.view_of(w, stamp) for w in self.workers]
         on_way = [w for w in self.workers if w.pending_reqs]  # transfers whose prefill runs
         ix = self.prefix
-        learn = self.learn
         self._fleet = Fleet.build(
             views,
             now,
-            links=self.cluster.links if learn is None else learn.links(self.cluster.links),
+            links=self.cluster.links,
             staleness=self.staleness,
             ref_prompt_tokens=self.prompt_mix.ref_tokens(),
             ref_output_tokens=self.output_mix.ref_tokens(),

@@ -1,13 +1,14 @@
 """The simulator learns speeds the way the scheduler service does: the same samples
-(``hpd_scheduler.learning.samples_from``) from the same terms of each plan and the same
+(``hpd_scheduler.policy.learning.samples_from``) from the same terms of each plan and the same
 measured figures of each outcome, fed to the same learner (``SpeedLearner``), whose fits
-become the worker views' ``learned`` figures and the link model's pool-pair overrides.
+become the worker views' ``learned`` figures (a worker without one: the fleet's prior).
 
 What the service gets from the gateway, the simulator reads off its own clock: the prefill
 phase of a transfer is from the plan (the request's arrival: the simulator plans at once)
-to the end of its prefill iteration, as the gateway times its prefill call; the TTFT is
-the first token's time. An outcome is reported when the request finishes, as the gateway
-reports it after the stream's end, so the learner lags the traffic as the service's does.
+to the end of its prefill iteration, as the gateway times its prefill call; for a request
+served on one worker, to its first token. An outcome is reported when the request
+finishes, as the gateway reports it after the stream's end, so the learner lags the
+traffic as the service's does.
 
 This matters when a pool's engines do not run at their declaration (a cluster pool's
 ``actual`` figures: ``ClusterSpec``): the planner then learns their real speed from
@@ -22,8 +23,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from hpd_scheduler.learning import SpeedLearner, samples_from
-from hpd_scheduler.policy import LearnedSpeed, LinkModel, RoutePlan
+from hpd_scheduler.policy import LearnedSpeed, RoutePlan
+from hpd_scheduler.policy.learning import SpeedLearner, samples_from
 
 __all__ = ["SimLearner"]
 
@@ -39,7 +40,7 @@ class SimLearner:
         self._plans: dict[int, dict[str, Any]] = {}
         self._planned_at: dict[int, float] = {}
         self._prefill_end: dict[int, float] = {}
-        self._links: tuple[int, LinkModel] | None = None
+        self._prior: tuple[int, LearnedSpeed | None] = (-1, None)
 
     def planned(self, i: int, plan: RoutePlan, now_s: float) -> None:
         e = plan.estimates
@@ -66,10 +67,11 @@ class SimLearner:
         end = self._prefill_end.pop(i, 0.0)
         if plan is None:
             return
+        ttft_ms = (first_s - at) * 1000.0
         outcome = {
             "success": True,
-            "ttft_ms": (first_s - at) * 1000.0,
-            "prefill_ms": (end - at) * 1000.0 if end else 0.0,
+            "ttft_ms": ttft_ms,
+            "prefill_ms": (end - at) * 1000.0 if plan["mode"] == "transfer" and end else ttft_ms,
         }
         worker = str(plan["prefill_worker_id"])
         for key, sample in samples_from(
@@ -78,12 +80,11 @@ class SimLearner:
             self.learner.add(key, sample, _INCARNATION)
 
     def prefill(self, worker_id: str) -> LearnedSpeed | None:
-        return self.learner.prefill(worker_id)
-
-    def links(self, base: LinkModel) -> LinkModel:
-        """``base`` with the learned hand-offs as pool-pair overrides (cached per change)."""
-        ver = self.learner.links_version
-        if self._links is None or self._links[0] != ver:
-            overrides = {**base.pool_overrides, **self.learner.links()}
-            self._links = (ver, LinkModel(classes=base.classes, pool_overrides=overrides))
-        return self._links[1]
+        """Its own fit, else the fleet's prior (one model: every worker's fits)."""
+        own = self.learner.prefill(worker_id)
+        if own is not None:
+            return own
+        gen = self.learner.generation
+        if self._prior[0] != gen:
+            self._prior = (gen, self.learner.prior(k[2:] for k in self.learner.fits))
+        return self._prior[1]

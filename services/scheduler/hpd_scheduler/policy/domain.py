@@ -99,7 +99,7 @@ class DecisionKind(enum.StrEnum):
 @dataclass(frozen=True, slots=True)
 class LearnedSpeed:
     """A worker's prefill speed as measured, not as declared (the scheduler's learner,
-    ``hpd_scheduler.learning``, fits it from reported outcomes; the simulator the same way).
+    ``hpd_scheduler.policy.learning``, fits it from reported outcomes; the simulator the same way).
 
     The prefill phase of a request (from the moment it is sent to the engine to its first
     token, queue included) takes ``fixed_ms x (1 + ahead) + scale x nominal_ms``:

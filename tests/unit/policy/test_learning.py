@@ -1,4 +1,4 @@
-"""The learner (hpd_scheduler.learning): speeds measured from outcomes, robust to outliers,
+"""The learner (hpd_scheduler.policy.learning): speeds measured from outcomes, robust to outliers,
 speed changes and restarts, the same on every replica; and the planner taking them."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from hpd_scheduler.learning import (
+from hpd_scheduler.policy.learning import (
     MIN_SAMPLES,
     SCALE_BOUNDS,
     SHIFT_RUN,
@@ -16,7 +16,6 @@ from hpd_scheduler.learning import (
     Sample,
     SpeedLearner,
     fit,
-    handoff_key,
     prefill_key,
     samples_from,
 )
@@ -126,50 +125,53 @@ def test_a_restarted_engine_starts_from_its_declaration_again() -> None:
 
 def test_replicas_with_the_same_samples_learn_the_same_figures() -> None:
     rng = random.Random(5)
-    stored = {prefill_key("p0"): _draws(20, rng), handoff_key("a", "b"): _draws(12, rng)}
+    stored = {prefill_key("p0"): _draws(20, rng), prefill_key("p1"): _draws(12, rng)}
     a, b = SpeedLearner(), SpeedLearner()
-    a.replace(stored, {"p0": 7})
-    b.replace({k: list(v) for k, v in reversed(stored.items())}, {"p0": 7})
+    a.replace(stored, {"p0": 7, "p1": 7})
+    b.replace({k: list(v) for k, v in reversed(stored.items())}, {"p0": 7, "p1": 7})
     assert a.fits == b.fits
     assert a.prefill("p0") == b.prefill("p0")
-    assert a.links() == b.links()
-    link = a.links()[("a", "b")]
-    assert link.latency_ms == pytest.approx(a.fits[handoff_key("a", "b")].fixed_ms)
 
 
-def test_an_outcome_teaches_the_prefill_phase_and_the_hand_off() -> None:
-    base_est: dict[str, float] = {
-        "prefill_nominal_ms": 2.0,
-        "prefill_ahead": 0.5,
-        "kv_bytes": 3_000_000,
-    }
-    plan: dict[str, Any] = {
-        "mode": "transfer",
-        "prefill_worker_id": "p0",
-        "prefill_pool_id": "pp",
-        "decode_pool_id": "dp",
-        "estimates": base_est,
-    }
+def test_a_worker_not_yet_measured_is_planned_like_its_measured_peers() -> None:
+    learner = SpeedLearner()
+    assert learner.prior(["p0", "p1", "new"]) is None  # nothing measured: the declaration
+    rng = random.Random(8)
+    for wid, slow in (("p0", 1.0), ("p1", 3.0)):
+        for s in _draws(8, rng, fixed=TRUE_FIXED_MS * slow, scale=TRUE_SCALE * slow):
+            learner.add(prefill_key(wid), s, 7)
+    got = learner.prior(["p0", "p1", "new"])
+    assert got is not None and got.samples == 0
+    # the median of the two: between them, never the bare declaration (scale 1, fixed 0)
+    assert TRUE_SCALE * 0.8 < got.scale < TRUE_SCALE * 3 * 1.2
+    assert TRUE_FIXED_MS * 0.8 < got.fixed_ms < TRUE_FIXED_MS * 3 * 1.2
+    gen = learner.generation
+    learner.forget_incarnation("p1", 9)
+    assert learner.generation > gen  # the prior moved: views of unmeasured workers rebuild
+
+
+def test_an_outcome_teaches_the_engines_own_prefill_phase() -> None:
+    base_est: dict[str, float] = {"prefill_nominal_ms": 2.0, "prefill_ahead": 0.5}
+    plan: dict[str, Any] = {"mode": "transfer", "prefill_worker_id": "p0", "estimates": base_est}
     outcome = {"success": True, "ttft_ms": 150.0, "prefill_ms": 120.0}
     got = dict(samples_from(plan, outcome, 1_000, {"p0": 500}, 2_000))
-    assert got[prefill_key("p0")] == Sample(2.0, 0.5, 120.0, 500, 2_000)
-    assert got[handoff_key("pp", "dp")] == Sample(3.0, 0.0, 30.0, 0, 2_000)
+    assert got == {prefill_key("p0"): Sample(2.0, 0.5, 120.0, 500, 2_000)}
     # a plan made before the engine's restart, a failure, or another mode teach nothing
-    assert prefill_key("p0") not in dict(samples_from(plan, outcome, 400, {"p0": 500}, 2_000))
+    assert samples_from(plan, outcome, 400, {"p0": 500}, 2_000) == []
     assert samples_from(plan, {**outcome, "success": False}, 1_000, {"p0": 500}, 2_000) == []
     local = {**outcome, "mode_used": "recompute"}
     assert samples_from(plan, local, 1_000, {"p0": 500}, 2_000) == []
-    # served whole on one worker: the TTFT is its prefill phase
-    whole = {**plan, "mode": "same_pool"}
-    got = dict(samples_from(whole, outcome, 1_000, {"p0": 500}, 2_000))
-    assert got == {prefill_key("p0"): Sample(2.0, 0.5, 150.0, 500, 2_000)}
+    # nor an outcome without the engine's own time (a TTFT holds the gateway's too)
+    assert samples_from(plan, {**outcome, "prefill_ms": 0.0}, 1_000, {"p0": 500}, 0) == []
     # a plan that saw a queue measures the planner's queue model, not the engine: no sample
     queued = {**plan, "estimates": {**base_est, "prefill_ahead": 2.0}}
-    assert prefill_key("p0") not in dict(samples_from(queued, outcome, 1_000, {"p0": 500}, 0))
-    # the decode admission wait the plan predicted is the planner's term, not the prefill's
+    assert samples_from(queued, outcome, 1_000, {"p0": 500}, 0) == []
+    # served whole on one worker: its time to the first token, less the decode admission
+    # wait the plan predicted (the planner's term, not the prefill's)
     est = {**base_est, "prefill_wait_ms": 10.0, "prefill_ms": 30.0, "ttft_ms": 90.0}
-    got = dict(samples_from({**whole, "estimates": est}, outcome, 1_000, {"p0": 500}, 0))
-    assert got[prefill_key("p0")].y == pytest.approx(150.0 - 50.0)
+    whole = {**plan, "mode": "same_pool", "estimates": est}
+    got = dict(samples_from(whole, outcome, 1_000, {"p0": 500}, 0))
+    assert got[prefill_key("p0")].y == pytest.approx(120.0 - 50.0)
 
 
 def test_stored_samples_read_back_and_garbage_is_dropped() -> None:

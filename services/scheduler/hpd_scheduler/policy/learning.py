@@ -1,5 +1,5 @@
-"""Speeds as measured: the prefill phase of every worker and the hand-off of every pool
-pair, fitted from reported outcomes. Pure (the Redis side is ``learn_store.py``).
+"""Speeds as measured: the prefill phase of every worker, fitted from reported outcomes.
+Pure (the Redis side is ``hpd_scheduler.learn_store``).
 
 Why: a worker's declared GPU figures are a prior, not a measurement. On real engines the
 plan's TTFT was tens of times off (a small model's prefill is nearly all fixed cost per
@@ -8,28 +8,38 @@ throttled, shared or misdeclared GPU runs at a fraction of its declaration. The 
 report's prefill tokens/s only nudges the declared speed within a clamp and cannot tell a
 fixed cost from a slow GPU; outcomes can, because they come with the plan's own terms.
 
-Two models, each a line through the origin in two terms (ms):
+The model, a line through the origin in two terms (ms): the **prefill phase** of a worker
+(the request sent to the engine until its first token, the engine's queue included: the
+gateway's measured ``prefill_ms``, which it times from its call to the engine to the
+engine's first answer in every mode, less the decode admission wait the plan predicted for a
+request served whole on one worker; an outcome without it teaches nothing: a TTFT holds the
+gateway's own time too, and a non-streamed answer's its whole decode) is ``y = scale x
+nominal + fixed x (1 + ahead)``, with ``nominal`` the declared cost model's time for the
+work queued ahead plus the request's own (the plan's ``prefill_nominal_ms``) and ``ahead``
+the requests queued ahead (the plan's ``prefill_ahead``). It becomes the planner's
+``LearnedSpeed``. The gateway's own time before the engine call (tokenizing, planning, a
+retry while the state store is away) is no engine's speed and stays out.
 
-* **prefill phase** of a worker (the request sent to the engine until its first token,
-  queue included; the gateway's measured ``prefill_ms`` for a transfer, the TTFT less the
-  plan's predicted decode admission wait for a request served whole on one worker):
-  ``y = scale x nominal + fixed x (1 + ahead)``, with
-  ``nominal`` the declared cost model's time for the work queued ahead plus the request's
-  own (the plan's ``prefill_nominal_ms``) and ``ahead`` the requests queued ahead (the
-  plan's ``prefill_ahead``). Becomes the planner's ``LearnedSpeed``.
-* **hand-off** of a (prefill pool, decode pool) pair for transfers: from the prefill's end
-  to the first token (the KV pulled over the link, the decode engine's admission, its first
-  step), less the decode admission wait the plan predicted (the planner adds that term
-  itself): ``y = scale x kv_mb + fixed``. Becomes the pair's link override: latency
-  ``fixed``, rate ``8 / scale`` Gb/s.
+**A worker not yet measured** is planned like the measured workers of its model, at the
+median of their fits (``SpeedLearner.prior``): the host's fixed costs and the error of the
+declarations are shared by a fleet far more often than not, and a worker left at its bare
+declaration beside measured ones looked tens of times faster than they did on real
+engines, so it drew requests it could not serve until its own fit arrived. Only a fleet
+with no fit at all is planned as declared.
+
+The hand-off (KV transfer and the decode side's first step) is not fitted here: what the
+gateway measures after a prefill holds its own planning time and the KV session's, which
+made a learned hand-off look slower than recomputing on every decode worker (an emulated
+fleet recomputed 59 % of its requests on an uncut link); the link model learns transfer
+rates from reported transfer times as before (``hpd_scheduler.feedback``).
 
 Fitted by iteratively reweighted least squares on *relative* residuals (the planner is
 judged by ``actual / predicted``; relative to the prediction, ``_fit_rows`` says why) with
-Huber weights (k = 1.345, the usual 95 % efficiency
-choice), so a stalled request or a garbage collection pause weighs little; both terms are
-kept non-negative (a negative one is dropped and the other refitted alone). When the two
-terms cannot be told apart (every request alike and no queue), the whole cost goes on
-``scale``, the declared model's shape, which keeps waits growing with the queue.
+Huber weights (k = 1.345, the usual 95 % efficiency choice), so a stalled request or a
+garbage collection pause weighs little; both terms are kept non-negative (a negative one is
+dropped and the other refitted alone). When the two terms cannot be told apart (every
+request alike and no queue), the whole cost goes on ``scale``, the declared model's shape,
+which keeps waits growing with the queue.
 
 What must not poison it:
 
@@ -66,7 +76,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hpd_scheduler.policy import LearnedSpeed, Link
+from .domain import LearnedSpeed
 
 __all__ = [
     "AHEAD_MAX",
@@ -80,7 +90,6 @@ __all__ = [
     "Sample",
     "SpeedLearner",
     "fit",
-    "handoff_key",
     "prefill_key",
     "samples_from",
 ]
@@ -99,9 +108,8 @@ REFIT_EVERY = 4
 
 @dataclass(frozen=True, slots=True)
 class Sample:
-    """One outcome's measurement: ``y`` ms against the terms ``x`` (nominal ms, or MB for a
-    hand-off) and ``ahead``; ``inc`` the worker's incarnation (0 for a hand-off),
-    ``at_ms`` when it was reported."""
+    """One outcome's measurement: ``y`` ms against the terms ``x`` (nominal ms) and
+    ``ahead``; ``inc`` the worker's incarnation, ``at_ms`` when it was reported."""
 
     x: float
     ahead: float
@@ -236,10 +244,6 @@ def prefill_key(worker_id: str) -> str:
     return f"p:{worker_id}"
 
 
-def handoff_key(prefill_pool: str, decode_pool: str) -> str:
-    return f"h:{prefill_pool}>{decode_pool}"
-
-
 def samples_from(
     plan: Mapping[str, Any],
     outcome: Mapping[str, Any],
@@ -247,11 +251,11 @@ def samples_from(
     incarnations: Mapping[str, int],
     now_ms: int,
 ) -> list[tuple[str, Sample]]:
-    """What one successful outcome teaches (module docstring): a prefill sample of the
-    worker that prefilled, and for a transfer a hand-off sample of its pool pair. Nothing
-    from a failed outcome, from one served otherwise than planned (its terms were another
-    worker's), from a plan without the nominal terms (made by an older scheduler), or from
-    a plan made before its worker's current incarnation."""
+    """What one successful outcome teaches (module docstring): a sample of the prefill
+    phase of the worker that prefilled. Nothing from a failed outcome, from one served
+    otherwise than planned (its terms were another worker's), from a plan without the
+    nominal terms (made by an older scheduler) or with a queue ahead (``AHEAD_MAX``), or
+    from a plan made before its worker's current incarnation."""
     if not outcome.get("success"):
         return []
     mode = plan.get("mode")
@@ -260,41 +264,34 @@ def samples_from(
     est = plan.get("estimates") or {}
     nominal = float(est.get("prefill_nominal_ms") or 0.0)
     ahead = float(est.get("prefill_ahead") or 0.0)
-    ttft = float(outcome.get("ttft_ms") or 0.0)
-    prefill_ms = float(outcome.get("prefill_ms") or 0.0)
-    out: list[tuple[str, Sample]] = []
+    y = float(outcome.get("prefill_ms") or 0.0)
+    if mode != "transfer" and y > 0:
+        # served on one worker: the engine's time to the first token, less the decode
+        # admission wait the plan predicted (a full batch: the planner's own term, not the
+        # prefill's)
+        parts = sum(float(est.get(k) or 0.0) for k in ("prefill_wait_ms", "prefill_ms"))
+        y -= max(0.0, float(est.get("ttft_ms") or 0.0) - parts)
     worker = str(plan.get("prefill_worker_id", ""))
     inc = incarnations.get(worker, 0)
-    # the decode side's admission wait the plan predicted on top of its prefill and
-    # hand-off is the planner's own term (a full batch), not the prefill's or the link's:
-    # it stays out of both
-    parts = sum(float(est.get(k) or 0.0) for k in ("prefill_wait_ms", "prefill_ms", "transfer_ms"))
-    admit = max(0.0, float(est.get("ttft_ms") or 0.0) - parts)
-    y = prefill_ms if mode == "transfer" else ttft - admit
     fresh = inc and created_at_ms >= inc
     if worker and nominal > 0 and y > 0 and fresh and ahead < AHEAD_MAX:
-        sample = Sample(nominal, max(ahead, 0.0), y, inc, now_ms).stored()
-        out.append((prefill_key(worker), sample))
-    kv = float(est.get("kv_bytes") or 0.0)
-    handoff = ttft - prefill_ms - admit
-    if mode == "transfer" and prefill_ms > 0 and handoff > 0 and kv > 0:
-        key = handoff_key(str(plan.get("prefill_pool_id", "")), str(plan.get("decode_pool_id", "")))
-        out.append((key, Sample(kv / 1e6, 0.0, handoff, 0, now_ms).stored()))
-    return out
+        return [(prefill_key(worker), Sample(nominal, max(ahead, 0.0), y, inc, now_ms).stored())]
+    return []
 
 
 class SpeedLearner:
-    """The samples and fits of every key (``prefill_key`` / ``handoff_key``).
+    """The samples and fits of every worker (``prefill_key``).
 
-    ``version[worker]`` increments when a worker's prefill fit changes and
-    ``links_version`` when any hand-off fit does, so cached views know to rebuild. Every
-    replica holds the same samples (``learn_store``), so every replica fits the same."""
+    ``version[worker]`` increments when a worker's fit changes and ``generation`` when any
+    does (a worker planned by the fleet's prior follows the others' fits), so cached views
+    know to rebuild. Every replica holds the same samples (``learn_store``), so every
+    replica fits the same."""
 
     def __init__(self) -> None:
         self.samples: dict[str, list[Sample]] = {}
         self.fits: dict[str, Fit] = {}
         self.version: dict[str, int] = {}
-        self.links_version = 0
+        self.generation = 0
         self._since: dict[str, int] = {}  # samples added since the key's last fit
 
     def add(self, key: str, sample: Sample, incarnation: int = 0) -> None:
@@ -323,9 +320,9 @@ class SpeedLearner:
         """Every key's samples as the store holds them (oldest first)."""
         for key, got in stored.items():
             new = list(got)[-2 * WINDOW :]
-            if new != self.samples.get(key):
+            if key.startswith("p:") and new != self.samples.get(key):
                 self.samples[key] = new
-                self._refit(key, incarnations.get(key[2:], 0) if key.startswith("p:") else 0)
+                self._refit(key, incarnations.get(key[2:], 0))
 
     def forget_incarnation(self, worker_id: str, incarnation: int) -> None:
         """The worker registered anew: its fit of an earlier engine no longer applies."""
@@ -334,9 +331,7 @@ class SpeedLearner:
             self._refit(key, incarnation)
 
     def _refit(self, key: str, incarnation: int) -> None:
-        pts = self.samples.get(key, [])
-        if key.startswith("p:"):
-            pts = [s for s in pts if s.inc == incarnation]
+        pts = [s for s in self.samples.get(key, []) if s.inc == incarnation]
         new = fit(pts)
         if new == self.fits.get(key):
             return
@@ -344,20 +339,20 @@ class SpeedLearner:
             self.fits.pop(key, None)
         else:
             self.fits[key] = new
-        if key.startswith("p:"):
-            self.version[key[2:]] = self.version.get(key[2:], 0) + 1
-        else:
-            self.links_version += 1
+        self.version[key[2:]] = self.version.get(key[2:], 0) + 1
+        self.generation += 1
 
     def prefill(self, worker_id: str) -> LearnedSpeed | None:
         f = self.fits.get(prefill_key(worker_id))
         return None if f is None else LearnedSpeed(f.fixed_ms, f.scale, f.samples)
 
-    def links(self) -> dict[tuple[str, str], Link]:
-        """The hand-off fits as link overrides (module docstring)."""
-        out: dict[tuple[str, str], Link] = {}
-        for key, f in self.fits.items():
-            if key.startswith("h:") and ">" in key:
-                src, dst = key[2:].split(">", 1)
-                out[(src, dst)] = Link(gbps=8.0 / f.scale, latency_ms=f.fixed_ms)
-        return out
+    def prior(self, worker_ids: Iterable[str]) -> LearnedSpeed | None:
+        """The speed a worker without a fit is planned at: the median fixed cost and scale
+        of the fits among ``worker_ids`` (its model's workers; module docstring), with 0
+        samples of its own; None when none of them has a fit."""
+        fits = [f for w in worker_ids if (f := self.fits.get(prefill_key(w))) is not None]
+        if not fits:
+            return None
+        return LearnedSpeed(
+            _median([f.fixed_ms for f in fits]), _median([f.scale for f in fits]), 0
+        )
