@@ -7,9 +7,9 @@ whole on the engine the scheduler picks and its TTFT is that engine's prefill ph
 agents declare the same GPU type and figures; the scheduler's learner
 (``hpd_scheduler.policy.learning``) fits each engine's speed from the gateway's outcomes.
 
-* after a warm-up of ``WARMUP`` requests one at a time (each engine needs the learner's
-  ``MIN_SAMPLES`` of its own; the slow one gets them because, unlearned, its declaration
-  makes it look fast), most prefills go to the fast engine;
+* after a warm-up of ``WARMUP`` requests one at a time (an engine without a fit of its own
+  is planned like its measured peer, so the slow one is tried when the fast one is busy
+  and learned from then on), most prefills go to the fast engine;
 * the plans' TTFT estimates are within 25 % of the measured TTFT at the median;
 * with requests arriving together, the fast engine's queue makes the slow one the cheaper
   for some of them.
@@ -81,7 +81,8 @@ def test_the_throttled_engine_is_learned_and_planned_at_its_measured_speed(
     for i in range(WARMUP):
         _complete(real, f"uneq-w{i}-{tag}", _prompt(rng))
     warm = [record(real, f"uneq-w{i}-{tag}") for i in range(WARMUP)]
-    assert {r.plan.prefill_worker_id for r in warm} == {"c0", "c1"}, [why(r) for r in warm]
+    assert all(r.outcome.success for r in warm), [why(r) for r in warm if not r.outcome.success]
+    print(f"\nwarm-up prefills: {dict(Counter(r.plan.prefill_worker_id for r in warm))}")
     chosen: Counter[str] = Counter()
     errors = []
     for i in range(MEASURED):
