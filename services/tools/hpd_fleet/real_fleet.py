@@ -42,7 +42,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import yaml
 
@@ -262,7 +262,7 @@ class FleetStack:
     venv: Path = Path()
     model_dir: Path = Path()
 
-    def __enter__(self) -> FleetStack:
+    def __enter__(self) -> Self:
         try:
             self.start()
         except BaseException:
