@@ -17,9 +17,11 @@ agents declare the same GPU type and figures; the scheduler's learner
 
 from __future__ import annotations
 
+import json
 import random
 import statistics
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +30,6 @@ import pytest
 
 from tests.real_engine.conftest import RealFleet
 from tests.real_engine.test_gateway import record, why
-from tests.real_engine.test_prefix import _complete
 
 QUOTA_CORES = 0.25
 WARMUP = 16
@@ -53,6 +54,20 @@ def unequal_pair(real: RealFleet) -> Iterator[RealFleet]:
             real.agents.pop("c1").stop()
         slow.kill()  # removes its cgroup
         slow.spec.cpu_quota = 0.0
+
+
+def _complete(real: RealFleet, rid: str, prompt: list[int]) -> None:
+    """One streamed completion, read to its end (a streamed answer is what tells the
+    scheduler an engine's time to its first token; a whole answer holds its decode too)."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "stream": True}
+    req = urllib.request.Request(
+        real.gateway_url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "x-request-id": rid},
+    )
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        assert resp.status == 200
+        assert b"[DONE]" in resp.read()
 
 
 def _prompt(rng: random.Random) -> list[int]:
