@@ -43,7 +43,7 @@ which keeps waits growing with the queue.
 
 What must not poison it:
 
-* outliers: the Huber weights (tests: ``tests/unit/scheduler/test_learning.py``);
+* outliers: the Huber weights (tests: ``tests/unit/policy/test_learning.py``);
 * a change of speed (throttling, a noisy neighbour): only the last ``WINDOW`` samples
   count, and when the last ``SHIFT_RUN`` all miss the fit on the same side by more than
   ``SHIFT_FACTOR`` the samples before them are dropped: a worker that slowed down is
