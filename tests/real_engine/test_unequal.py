@@ -10,7 +10,9 @@ agents declare the same GPU type and figures; the scheduler's learner
 * after a warm-up of ``WARMUP`` requests one at a time (an engine without a fit of its own
   is planned like its measured peer, so the slow one is tried when the fast one is busy
   and learned from then on), most prefills go to the fast engine;
-* the plans' TTFT estimates are within 25 % of the measured TTFT at the median;
+* the plans' TTFT estimates are within 25 % of the engine's measured time to the first
+  token at the median (the gateway's own time before it calls the engine, a few ms of
+  tokenizing and planning, is not in the plan's estimate: printed apart);
 * with requests arriving together, the fast engine's queue makes the slow one the cheaper
   for some of them.
 """
@@ -18,8 +20,11 @@ agents declare the same GPU type and figures; the scheduler's learner
 from __future__ import annotations
 
 import json
+import os
 import random
+import shutil
 import statistics
+import subprocess
 import time
 import urllib.request
 from collections import Counter
@@ -48,8 +53,14 @@ def unequal_pair(real: RealFleet) -> Iterator[RealFleet]:
     try:
         real.run_workers("c0", "c1")
         real.settle("c0", "c1")
+        # the fast engine keeps core 0 to itself, as an engine has its GPU: the control
+        # plane, the gateway, the agents and this client share core 1 with the throttled
+        # engine (on a shared core 0 a few ms of their work landed in the fast engine's
+        # first-token times, 12-40 ms)
+        _pin_to(1, real)
         yield real
     finally:
+        _pin_to(None, real)
         if "c1" in real.agents:
             real.agents.pop("c1").stop()
         slow.kill()  # removes its cgroup
@@ -70,9 +81,25 @@ def _complete(real: RealFleet, rid: str, prompt: list[int]) -> None:
         assert b"[DONE]" in resp.read()
 
 
+def _pin_to(cpu: int | None, real: RealFleet) -> None:
+    """Every thread of the control plane, gateway, agents and this process onto ``cpu``
+    (None: every CPU again)."""
+    procs = [real.control_plane, *(a.proc for a in real.agents.values())]
+    if real.gateway is not None:
+        procs.append(real.gateway.proc)
+    pids = [p.pid for p in procs if p is not None] + [os.getpid()]
+    cpus = f"0-{(os.cpu_count() or 1) - 1}" if cpu is None else str(cpu)
+    if shutil.which("taskset"):
+        for pid in pids:
+            subprocess.run(["taskset", "-a", "-p", "-c", cpus, str(pid)], capture_output=True)
+
+
 def _prompt(rng: random.Random) -> list[int]:
-    """Token ids of a length between 32 and 700 (no prefix shared with anything)."""
-    return [rng.randrange(100, 900) for _ in range(rng.randrange(32, 700))]
+    """Token ids of a length between 300 and 900 (no prefix shared with anything): the fast
+    engine then takes 25-40 ms to its first token, where a few ms of this shared machine's
+    scheduling jitter is not most of the measure (with 32-700 tokens, 12-40 ms, the median
+    error of the same estimates moved between 0.15 and 0.41 from run to run)."""
+    return [rng.randrange(100, 900) for _ in range(rng.randrange(300, 900))]
 
 
 def test_the_throttled_engine_is_learned_and_planned_at_its_measured_speed(
@@ -87,15 +114,24 @@ def test_the_throttled_engine_is_learned_and_planned_at_its_measured_speed(
     assert all(r.outcome.success for r in warm), [why(r) for r in warm if not r.outcome.success]
     print(f"\nwarm-up prefills: {dict(Counter(r.plan.prefill_worker_id for r in warm))}")
     chosen: Counter[str] = Counter()
-    errors = []
+    errors: list[float] = []
+    front: list[float] = []
     for i in range(MEASURED):
         rid = f"uneq-m{i}-{tag}"
         _complete(real, rid, _prompt(rng))
         rec = record(real, rid)
         chosen[rec.plan.prefill_worker_id] += 1
         assert rec.outcome.success, why(rec)
-        errors.append(abs(rec.outcome.ttft_ms / rec.plan.estimates.ttft_ms - 1.0))
+        # the plan's TTFT is the engine's (from the gateway's call to its first token: what
+        # the scheduler can see and the gateway reports as prefill_ms); the gateway's own
+        # time before the call (tokenizing, planning) is not in it, and is printed apart
+        assert rec.outcome.prefill_ms > 0, why(rec)
+        errors.append(abs(rec.outcome.prefill_ms / rec.plan.estimates.ttft_ms - 1.0))
+        front.append(rec.outcome.ttft_ms - rec.outcome.prefill_ms)
     p50, p90 = statistics.median(errors), sorted(errors)[int(0.9 * len(errors))]
+    print(
+        f"\nthe gateway's own time before the engine call: median {statistics.median(front):.1f} ms"
+    )
     print(f"\nprefills one at a time: {dict(chosen)}; |actual / predicted - 1| p50 {p50:.3f}")
     print(f"p90 {p90:.3f}")
     assert chosen["c0"] >= 0.8 * MEASURED, dict(chosen)
