@@ -19,9 +19,8 @@ once) stays inside one slot on Redis Cluster. `<p>` is the configurable prefix (
   cap x record size (a few KB with its explanation) whatever the request rate.
 - `<p>:{sch}:learn:<key>` (list, at most the learner's window x 2, JSON samples oldest
   first): what outcomes measured of a worker's prefill (`p:<worker>`), shared by every
-  replica
-  (`hpd_scheduler.learn_store`); `<p>:{sch}:learnk` (set) their keys; `<p>:{sch}:learnv`
-  (counter) bumped with every sample, so a replica reads them only when something changed;
+  replica (`hpd_scheduler.learn_store`); `<p>:{sch}:learnv` (hash) key -> a version bumped
+  with every sample, so a replica reads only the lists that changed;
 - `<p>:{sch}:dir:<worker>:<kind>` (string, TTL = directive repeat interval): the last
   directive value of that kind sent to the worker by any replica.
 
@@ -66,11 +65,7 @@ class SchedulerKeys:
         return f"{self.base}learn:{key}"
 
     @property
-    def learned_keys(self) -> str:
-        return f"{self.base}learnk"
-
-    @property
-    def learned_version(self) -> str:
+    def learned_versions(self) -> str:
         return f"{self.base}learnv"
 
     def directive(self, worker_id: str, kind: str) -> str:

@@ -6,8 +6,10 @@ samples in one place every replica fits the same figures from the same points (t
 deterministic), and a replica that starts late learns what the others measured.
 
 A sample costs one pipelined round trip when its outcome is reported (RPUSH, LTRIM to
-``2 x WINDOW``, SADD of its key, INCR of the version); a replica's sync loop reads the
-lists only when the version moved (GET, then SMEMBERS and one LRANGE per key, pipelined).
+``2 x WINDOW``, HINCRBY of its key's version); a replica's sync loop reads the versions
+(one HGETALL) and then only the lists whose version moved since it last read them (one
+LRANGE each, pipelined): a busy fleet's every outcome does not make every replica read
+every worker's samples again.
 Key layout: ``hpd_scheduler.keys``.
 """
 
@@ -36,7 +38,7 @@ class LearnStore:
     def __init__(self, client: aioredis.Redis, keys: SchedulerKeys) -> None:
         self.client = client
         self.keys = keys
-        self._seen_version: int | None = None
+        self._seen: dict[str, int] = {}
 
     async def push(self, samples: Sequence[tuple[str, Sample]]) -> None:
         if not samples:
@@ -47,22 +49,21 @@ class LearnStore:
                 for key, s in samples:
                     pipe.rpush(k.learned(key), json.dumps(s.to_json(), separators=(",", ":")))
                     pipe.ltrim(k.learned(key), -2 * WINDOW, -1)
-                    pipe.sadd(k.learned_keys, key)
-                pipe.incr(k.learned_version)
+                    pipe.hincrby(k.learned_versions, key, 1)
                 await pipe.execute()
         except STORE_DOWN as exc:
             raise Unavailable(f"state store unavailable: {exc}") from exc
 
     async def read_if_changed(self) -> dict[str, list[Sample]] | None:
-        """Every key's samples (oldest first), or None when nothing was added since the
-        last read."""
+        """The samples (oldest first) of every key with samples added since the last read,
+        or None when there are none."""
         k = self.keys
         try:
-            raw = await self.client.get(k.learned_version)
-            version = int(raw) if raw is not None else 0
-            if version == self._seen_version:
+            raw = await self.client.hgetall(k.learned_versions)
+            versions = {_s(name): int(v) for name, v in raw.items()}
+            names = sorted(n for n, v in versions.items() if self._seen.get(n) != v)
+            if not names:
                 return None
-            names = sorted(_s(m) for m in await self.client.smembers(k.learned_keys))
             async with self.client.pipeline(transaction=False) as pipe:
                 for name in names:
                     pipe.lrange(k.learned(name), 0, -1)
@@ -80,5 +81,5 @@ class LearnStore:
                 if s is not None:
                     got.append(s)
             out[name] = got
-        self._seen_version = version
+            self._seen[name] = versions[name]
         return out

@@ -80,11 +80,14 @@ class OutcomeReports(FleetSnapshot):
         tier = str(head.get("tier") or "")
         created_ms = int(head.get("created_at_ms") or 0)
         _error_metrics(plan, est, outcome, tier)
-        incarnations = self.incarnations()
-        got = samples_from(plan, outcome, created_ms, incarnations, self.clock.now_ms())
+        worker = str(plan.get("prefill_worker_id", ""))
+        rec = self.informer.workers.get(worker)
+        incarnation = {worker: rec.state.registered_at_ms} if rec is not None else {}
+        got = samples_from(plan, outcome, created_ms, incarnation, self.clock.now_ms())
+        learner = self.observed.learner
         for key, sample in got:
-            self.observed.learner.add(key, sample, sample.inc)
-        metrics.export_learned(self.observed.learner.fits)
+            learner.add(key, sample, sample.inc)
+            metrics.export_learned({key: f} if (f := learner.fits.get(key)) else {})
         if got:
             self._changed.set()
             try:

@@ -26,6 +26,7 @@ from hpd_scheduler.feedback import ObservedEstimates
 from hpd_scheduler.group_commit import GroupCommit
 from hpd_scheduler.learn_store import LearnStore
 from hpd_scheduler.policy import Fleet, LearnedSpeed, LinkModel, WorkerView
+from hpd_scheduler.policy.learning import prefill_key
 from hpd_scheduler.policy.prefix import PrefixIndex
 from hpd_scheduler.policy.worker_state import PromptMix
 from hpd_scheduler.prefill_due import PrefillDue
@@ -102,7 +103,8 @@ class FleetSnapshot(SchedulerState):
         priors: dict[str, LearnedSpeed | None] = {}
         for wid, rec in workers.items():
             # a worker without a fit follows every fit of its model (the prior)
-            ver = (obs.version_of(wid), 0 if learner.prefill(wid) else learner.generation)
+            own = prefill_key(wid) in learner.fits
+            ver = (obs.version_of(wid), 0 if own else learner.generation)
             hit = cache.get(wid)
             if hit is not None and hit[0] == rec.revision and hit[1] == ver:
                 entry = hit

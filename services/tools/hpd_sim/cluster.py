@@ -290,9 +290,7 @@ def _pool(raw: Any, key: str, defaults: Mapping[str, Any], seen: set[str]) -> Po
     actual = raw.get("actual", {}) or {}
     if not isinstance(actual, Mapping):
         raise ClusterError(f"{key}.actual", "must be a mapping")
-    for k in actual:
-        if k not in _ACTUAL_KEYS:
-            raise ClusterError(f"{key}.actual.{k}", f"unknown key; known: {list(_ACTUAL_KEYS)}")
+    _only(actual, _ACTUAL_KEYS, f"{key}.actual")
     return PoolSpec(
         pool_id=pid,
         gpu=gpu,
@@ -319,14 +317,19 @@ _MODEL_KEYS = ("name", "params_b", "num_layers", "num_kv_heads", "head_dim", "hi
 _GPU_KEYS = ("name", "peak_tflops", "hbm_gbps", "hbm_gib", "price_per_hour")
 
 
+def _only(raw: Mapping[str, Any], known: tuple[str, ...], key: str) -> None:
+    """A mapping holds only ``known`` keys (ClusterError names the first other)."""
+    for k in raw:
+        if k not in known:
+            raise ClusterError(f"{key}.{k}", f"unknown key; known: {list(known)}")
+
+
 def _model(raw: Any) -> perfmodel.ModelSpec:
     """A model of the table by name, or one described by its architecture numbers (a
     mapping of ``_MODEL_KEYS``: a model the table does not know, as an agent reads it from
     the model's ``config.json``)."""
     if isinstance(raw, Mapping):
-        for k in raw:
-            if k not in _MODEL_KEYS:
-                raise ClusterError(f"model.{k}", f"unknown key; known: {list(_MODEL_KEYS)}")
+        _only(raw, _MODEL_KEYS, "model")
         name = raw.get("name")
         if not isinstance(name, str) or not name:
             raise ClusterError("model.name", "must be a non-empty string")
@@ -351,9 +354,7 @@ def _gpu(raw: Any, key: str) -> GpuProfile:
     """A GPU of the table by name, or one described by its figures (a mapping of
     ``_GPU_KEYS``: what an agent declares with ``--peak-tflops`` / ``--hbm-gbps``)."""
     if isinstance(raw, Mapping):
-        for k in raw:
-            if k not in _GPU_KEYS:
-                raise ClusterError(f"{key}.{k}", f"unknown key; known: {list(_GPU_KEYS)}")
+        _only(raw, _GPU_KEYS, key)
         name = raw.get("name")
         if not isinstance(name, str) or not name:
             raise ClusterError(f"{key}.name", "must be a non-empty string")
