@@ -32,7 +32,7 @@ configure_logging("warning", json_logs=False)
 
 
 TESTS = Path(__file__).resolve().parent
-KINDS = ("unit", "component", "integration", "e2e", "compose", "real_engine")
+KINDS = ("unit", "component", "integration", "e2e", "compose", "real_engine", "security")
 """One marker per kind of test, named after the folder the kind lives in (pyproject.toml
 describes each): ``pytest -m component`` runs the component tests, ``-m "not e2e"`` skips
 the process-starting ones."""

@@ -12,29 +12,23 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 import structlog
-import yaml
 from google.protobuf import descriptor_pool, message_factory
 
 from hetero_pd.v1 import common_pb2 as c
 from hetero_pd.v1 import diagnostics_pb2, kvbroker_pb2, registry_pb2, scheduler_pb2
 from hetero_pd.v1 import kvbroker_pb2 as kb
-from hetero_pd.v1 import kvbroker_pb2_grpc as kb_grpc
 from hetero_pd.v1 import registry_pb2 as r
-from hetero_pd.v1 import registry_pb2_grpc as r_grpc
 from hetero_pd.v1 import scheduler_pb2 as s
-from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
 from hpd_common.auth import ACCESS, READ, Role
-from hpd_common.channels import CallIdentity, aio_channel
-from hpd_tools.controlplane import ControlPlane, ControlPlaneSettings
 from hpd_tools.embedded_redis import EmbeddedRedis
 from tests.component.test_registry_api import code_of
+from tests.support.auth_plane import TOKENS, Plane, auth_plane
 from tests.support.fleet import capability, load
 from tests.support.servers import external
 
@@ -42,15 +36,6 @@ pytestmark = [
     pytest.mark.skipif(external("registry") is not None, reason="starts its own servers"),
 ]
 
-# one principal per role, and a second gateway (a gateway's requests are its own)
-TOKENS = {
-    "ops": (Role.OPERATOR, "operator-token-0123456789abcdef"),
-    "gw-1": (Role.GATEWAY, "gateway-one-token-0123456789ab"),
-    "gw-2": (Role.GATEWAY, "gateway-two-token-0123456789ab"),
-    "sched": (Role.SCHEDULER, "scheduler-token-0123456789abcd"),
-    "wk": (Role.WORKER, "worker-join-token-0123456789ab"),
-}
-UNKNOWN = "not-in-the-file-0123456789abcdef"
 FILES = (registry_pb2, scheduler_pb2, kvbroker_pb2, diagnostics_pb2)
 SERVICE_OF = {
     "RegistryService": "registry",
@@ -60,72 +45,12 @@ SERVICE_OF = {
 }
 
 
-@dataclass
-class Plane:
-    cp: ControlPlane
-    channels: dict[str, grpc.aio.Channel]
-
-    def target_of(self, key: str) -> str:
-        service = key.split("/")[0]
-        return {
-            "RegistryService": self.cp.registry_target,
-            "SchedulerService": self.cp.scheduler_target,
-            "KvBrokerService": self.cp.kvbroker_target,
-            "DiagnosticsService": self.cp.registry_target,
-        }[service]
-
-    def channel(self, who: str) -> grpc.aio.Channel:
-        return self.channels[who]
-
-    def registry(self, who: str) -> r_grpc.RegistryServiceStub:
-        return r_grpc.RegistryServiceStub(self.channels[f"{who}@registry"])
-
-    def scheduler(self, who: str) -> s_grpc.SchedulerServiceStub:
-        return s_grpc.SchedulerServiceStub(self.channels[f"{who}@scheduler"])
-
-    def broker(self, who: str) -> kb_grpc.KvBrokerServiceStub:
-        return kb_grpc.KvBrokerServiceStub(self.channels[f"{who}@kvbroker"])
-
-
 @pytest.fixture
 async def plane(
     redis_server: EmbeddedRedis, key_prefix: str, tmp_path: Path
 ) -> AsyncIterator[Plane]:
-    path = tmp_path / "tokens.yaml"
-    path.write_text(
-        yaml.safe_dump(
-            {
-                "tokens": [
-                    {"name": n, "role": role.value, "token": t} for n, (role, t) in TOKENS.items()
-                ]
-            }
-        )
-    )
-    cp = ControlPlane(
-        ControlPlaneSettings(
-            redis_url=redis_server.url,
-            key_prefix=key_prefix,
-            auth_tokens_file=str(path),
-            auth_open_reads=False,
-            service_token=TOKENS["sched"][1],
-        )
-    )
-    await cp.start()
-    channels: dict[str, grpc.aio.Channel] = {}
-    for svc, target in (
-        ("registry", cp.registry_target),
-        ("scheduler", cp.scheduler_target),
-        ("kvbroker", cp.kvbroker_target),
-    ):
-        callers = {**{who: t for who, (_, t) in TOKENS.items()}, "anon": "", "stranger": UNKNOWN}
-        for who, token in callers.items():
-            channels[f"{who}@{svc}"] = aio_channel(target, CallIdentity(token=token))
-    try:
-        yield Plane(cp, channels)
-    finally:
-        for ch in channels.values():
-            await ch.close()
-        await cp.stop()
+    async with auth_plane(redis_server.url, key_prefix, tmp_path) as p:
+        yield p
 
 
 def _methods() -> list[tuple[str, Any, Any]]:

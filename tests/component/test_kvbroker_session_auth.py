@@ -13,6 +13,7 @@ from hetero_pd.v1 import registry_pb2 as r
 from hpd_tools.embedded_redis import EmbeddedRedis
 from tests.support.fleet import capability
 from tests.support.kvbroker import (
+    GATEWAY,
     GIB,
     SCHED,
     Env,
@@ -57,7 +58,8 @@ def who(env: Env, name: str) -> k.SessionCaller | None:
         "scheduler": SCHED,
         "p1-bad": caller("p1", "not-it"),
         "bad-token": k.SessionCaller(scheduler_token="guess"),
-        "gateway": k.SessionCaller(gateway_token="gw"),
+        "gateway": GATEWAY,
+        "gateway-guess": k.SessionCaller(gateway_token="guess"),
         "nobody": None,
     }
     return special[name] if name in special else env.as_(name)
@@ -78,6 +80,8 @@ async def test_who_may_open(env: Env, name: str, code: grpc.StatusCode) -> None:
                      id="scheduler-aborts-only"),
         pytest.param("gateway", grpc.StatusCode.OK, grpc.StatusCode.OK,
                      id="gateway-runs-the-transfer"),
+        pytest.param("gateway-guess", grpc.StatusCode.PERMISSION_DENIED,
+                     grpc.StatusCode.PERMISSION_DENIED, id="wrong-gateway-token"),
         pytest.param("x1", grpc.StatusCode.PERMISSION_DENIED,
                      grpc.StatusCode.PERMISSION_DENIED, id="other-worker"),
         pytest.param("p1-bad", grpc.StatusCode.PERMISSION_DENIED,
@@ -167,13 +171,23 @@ async def test_an_incompatible_pair_gets_no_session(env: Env) -> None:
 async def test_open_without_a_token_configured_needs_no_credential(
     redis_server: EmbeddedRedis, env: Env, key_prefix: str
 ) -> None:
+    """Auth off and no token configured (development): an empty caller is the control
+    plane; an in-message token it cannot check is refused, not waved through."""
     open_broker = await start_broker(redis_server.url, key_prefix)
     try:
         resp = await open_broker.stub.OpenSession(open_request("req-5"), timeout=5)
         assert resp.session.updated_by == "scheduler"
-        progress = open_broker.stub.ReportProgress(
-            k.ReportProgressRequest(session_id=resp.session.session_id, bytes_done=1), timeout=5
+        sid = resp.session.session_id
+        guessed = open_broker.stub.ReportProgress(
+            k.ReportProgressRequest(
+                session_id=sid, bytes_done=1, caller=k.SessionCaller(gateway_token="gateway")
+            ),
+            timeout=5,
         )
-        assert await code_of(progress) == grpc.StatusCode.INVALID_ARGUMENT
+        assert await code_of(guessed) == grpc.StatusCode.PERMISSION_DENIED
+        progress = await open_broker.stub.ReportProgress(
+            k.ReportProgressRequest(session_id=sid, bytes_done=1), timeout=5
+        )
+        assert progress.session.bytes_done == 1
     finally:
         await open_broker.close()

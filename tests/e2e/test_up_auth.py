@@ -151,7 +151,7 @@ def test_a_restart_keeps_the_tokens(up: Up) -> None:
 def test_up_tls_runs_the_whole_plane_on_mutual_tls_with_closed_reads(
     tmp_path: Path,
 ) -> None:
-    """`hpd up --tls --auth --closed-reads`: plaintext and certificate-less callers get
+    """`hpd up --tls --auth` (reads closed by default): plaintext and certificate-less callers get
     nothing; the CLI with the CA, the client certificate and a token reads the fleet; and
     the services reach each other (the scheduler plans for workers it saw through the
     registry's closed, TLS-only watch)."""
@@ -159,7 +159,7 @@ def test_up_tls_runs_the_whole_plane_on_mutual_tls_with_closed_reads(
     log = tmp_path / "up.log"
     proc = subprocess.Popen(
         [
-            str(HPD), "up", "--tls", "--auth", "--closed-reads", "--state-dir", str(tmp_path),
+            str(HPD), "up", "--tls", "--auth", "--state-dir", str(tmp_path),
             "--metrics-port", "0", "--registry-port", str(ports[0]),
             "--scheduler-port", str(ports[1]), "--kvbroker-port", str(ports[2]),
         ],

@@ -112,7 +112,9 @@ def open_request(
 
 # the component tests' broker beside a registry with four registered workers
 TOKEN = "sched-secret"
+GATEWAY_TOKEN = "gateway-secret"
 SCHED = k.SessionCaller(scheduler_token=TOKEN)
+GATEWAY = k.SessionCaller(gateway_token=GATEWAY_TOKEN)
 V = k.CompatibilityVerdict
 
 
@@ -157,7 +159,11 @@ async def env(
         "x1": await register(registry.stub, "x1", lease_ttl_ms=30_000),
     }
     broker = await start_broker(
-        redis_server.url, key_prefix, registry_target=registry.target, scheduler_token=TOKEN
+        redis_server.url,
+        key_prefix,
+        registry_target=registry.target,
+        scheduler_token=TOKEN,
+        gateway_token=GATEWAY_TOKEN,
     )
     assert broker.service.informer is not None
     assert await broker.service.informer.wait_synced(5)

@@ -31,6 +31,13 @@ The tokens file (YAML), mode 0600 as any secret::
       - {name: alice, role: operator, token_sha256: 5e884898da28...}   # hash only
       - {name: gw-1, role: gateway, token: "s3cret-gateway-token"}   # or the token itself
       - {name: gw-2, role: gateway, cert_name: gateway-2.prod}       # or an mTLS identity
+      - {name: rack-7, role: worker, token: "...", workers: "r7-*", pools: [h100-prefill]}
+
+A worker entry may carry ``workers`` (glob patterns of the worker ids it may register) and
+``pools`` (the pools it may register into): an agent's token then cannot register a worker
+elsewhere in the fleet, nor take another's id. Everything a worker does after registering is
+bound to the per-registration credential the registry answered, so it acts only on its own
+record and on the KV sessions that name it.
 
 A ``cert_name`` entry makes a client certificate an identity: a call that carries no token
 over mutual TLS (the server has ``tls_client_ca_file``, so the certificate was verified
@@ -46,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import fnmatch
 import hashlib
 import os
 import secrets
@@ -72,14 +80,26 @@ class Role(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Principal:
-    """A caller the tokens file names."""
+    """A caller the tokens file names. A worker principal may be scoped: ``workers``, glob
+    patterns (``fnmatch``) of the worker ids it may register, and ``pools``, the pools it
+    may register into (empty: any)."""
 
     name: str
     role: Role
+    workers: tuple[str, ...] = ()
+    pools: tuple[str, ...] = ()
 
     @property
     def operator(self) -> bool:
         return self.role is Role.OPERATOR
+
+    def may_register(self, worker_id: str, pool_id: str) -> str:
+        """Why this principal may not register ``worker_id`` into ``pool_id`` ('' = it may)."""
+        if self.workers and not any(fnmatch.fnmatchcase(worker_id, w) for w in self.workers):
+            return f"{self.name} may register only worker ids matching {list(self.workers)}"
+        if self.pools and pool_id not in self.pools:
+            return f"{self.name} may register only into the pools {list(self.pools)}"
+        return ""
 
 
 READ = "read"  # a read-only RPC
@@ -241,13 +261,14 @@ class TokenBook:
                 raise InvalidArgument(at, "needs exactly one of token, token_sha256 and cert_name")
             if name in names:
                 raise InvalidArgument(at, f"the name {name!r} appears twice")
+            scope = _scope(e, at, Role(role))
             if cert is not None:
                 if not str(cert).strip():
                     raise InvalidArgument(at, "cert_name must not be empty")
                 if str(cert) in by_cert:
                     raise InvalidArgument(at, f"the cert_name {cert!r} appears twice")
                 names.add(name)
-                by_cert[str(cert)] = Principal(name, Role(role))
+                by_cert[str(cert)] = Principal(name, Role(role), *scope)
                 continue
             if token is not None:
                 if len(str(token)) < 16:
@@ -259,8 +280,31 @@ class TokenBook:
             if digest in out:
                 raise InvalidArgument(at, "the same token appears twice")
             names.add(name)
-            out[digest] = Principal(name, Role(role))
+            out[digest] = Principal(name, Role(role), *scope)
         return cls(out, by_cert)
+
+
+def _scope(
+    entry: Mapping[str, Any], at: str, role: Role
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """A worker entry's ``workers`` (id patterns) and ``pools``: a string or a list of them."""
+    out: list[tuple[str, ...]] = []
+    for key in ("workers", "pools"):
+        v = entry.get(key)
+        if v is None:
+            out.append(())
+            continue
+        if role is not Role.WORKER:
+            raise InvalidArgument(at, f"{key} scopes a worker token; a {role.value} has none")
+        items = [v] if isinstance(v, str) else v
+        if (
+            not isinstance(items, list)
+            or not items
+            or not all(isinstance(x, str) and x.strip() for x in items)
+        ):
+            raise InvalidArgument(at, f"{key} must be a non-empty string or list of strings")
+        out.append(tuple(x.strip() for x in items))
+    return out[0], out[1]
 
 
 def write_tokens_file(

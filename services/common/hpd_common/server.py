@@ -69,8 +69,10 @@ class ServerSettings(CallSettings):
                   "Who may do what); unset, every caller may do everything"},
     )  # fmt: skip
     auth_open_reads: bool = field(
-        default=True, metadata={"help": "with auth on, read-only RPCs need no token"}
-    )
+        default=False,
+        metadata={"help": "with auth on, read-only RPCs need no token (default: any known "
+                  "identity; the fleet's endpoints and route records are not for strangers)"},
+    )  # fmt: skip
     log_level: str = field(default="info", metadata={"help": "debug, info, warning or error"})
     json_logs: bool | None = field(default=None, metadata={"help": "JSON logs (default: no TTY)"})
     shutdown_grace_s: float = field(default=5.0, metadata={"help": "drain time on SIGTERM"})

@@ -98,9 +98,9 @@ class ControlPlane:
         self._stubs = [s_grpc.SchedulerServiceStub(ch) for ch in self._sched_chs]
         self.broker = kb_grpc.KvBrokerServiceStub(self._broker_ch)
         self.fleet = FleetInformer(registry, identity=identity)
-        # a non-empty token is what selects the broker's gateway role; a broker without a
-        # configured gateway token (development) accepts any, so a placeholder serves there
-        self._caller = kb.SessionCaller(gateway_token=gateway_token or "gateway")
+        # with auth on, the gateway's bearer identity is what the broker checks; the
+        # in-message token only for a broker configured with one (it refuses any other)
+        self._caller = kb.SessionCaller(gateway_token=gateway_token)
         self.timeout_s = timeout_s
         self.report_budget_s = report_budget_s
         self.streams = [ScheduleStreamClient(stub) for stub in self._stubs] if stream else []

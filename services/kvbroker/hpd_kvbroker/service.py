@@ -277,51 +277,72 @@ class KvBrokerService(SessionQueries):
     # -- sessions ---------------------------------------------------------------------------
 
     def _authenticate(self, caller: Caller, op: Op | None) -> tuple[str, str]:
-        """(actor, credential hash): actor '' is the scheduler. op None = opening."""
+        """(actor, credential hash): actor '' is the control plane (scheduler, gateway or an
+        operator, as allowed for ``op``; None = opening).
+
+        With auth on, the caller's verified identity (bearer token or client certificate)
+        decides and nothing in the message can raise it: a worker principal is always the
+        worker its ``caller.worker_id`` names, proved by that worker's registration
+        credential (the session script checks it is one of the session's two workers), and
+        the in-message tokens are ignored. With auth off (development), an in-message token
+        is checked against the broker's setting and refused where none is configured; a
+        caller naming a worker is that worker; an empty caller is the control plane unless
+        a token is configured."""
         scheduler_may = op is None or op in SCHEDULER_OPS
+        gateway_may = op is not None and op in GATEWAY_OPS
         who = auth.current()  # None: auth is off (these RPCs are never open reads)
-        if who is not None and not caller.worker_id:
-            # the bearer token already proved the role (hpd_common.auth.ACCESS); the
-            # in-message tokens are the older way to say the same and are not needed
-            if who.role is Role.GATEWAY and (op is None or op not in GATEWAY_OPS):
+        if who is not None:
+            if who.role is Role.WORKER:
+                return self._as_worker(caller)
+            if who.role is Role.GATEWAY and not gateway_may:
                 raise PermissionDenied("the gateway may not do this (only its workers may)")
             if who.role is Role.SCHEDULER and not scheduler_may:
                 raise PermissionDenied("only the session's workers may do this, not the scheduler")
-            if who.role is Role.WORKER:
-                raise InvalidArgument(
-                    "caller.worker_id", "is required: a worker acts with its id and credential"
+            return "", ""
+        for name, given, configured, allowed in (
+            ("gateway", caller.gateway_token, self.settings.gateway_token, gateway_may),
+            ("scheduler", caller.scheduler_token, self.settings.scheduler_token, scheduler_may),
+        ):
+            if not given:
+                continue
+            if not configured:
+                raise PermissionDenied(
+                    f"this broker has no {name} token configured, so an in-message "
+                    f"{name}_token is refused (use bearer auth: hpd_common.auth)"
                 )
-            return "", ""
-        if caller.gateway_token:
-            if op is None or op not in GATEWAY_OPS:
-                raise PermissionDenied("the gateway may not do this (only its workers may)")
-            token = self.settings.gateway_token
-            if token and not hmac.compare_digest(token.encode(), caller.gateway_token.encode()):
-                raise PermissionDenied("gateway token does not match")
-            return "", ""
-        if caller.scheduler_token:
-            if not scheduler_may:
-                raise PermissionDenied("only the session's workers may do this, not the scheduler")
-            token = self.settings.scheduler_token
-            if token and not hmac.compare_digest(token.encode(), caller.scheduler_token.encode()):
-                raise PermissionDenied("scheduler token does not match")
+            if not hmac.compare_digest(configured.encode(), given.encode()):
+                raise PermissionDenied(f"{name} token does not match")
+            if not allowed:
+                raise PermissionDenied(
+                    f"the {name} may not do this (only the session's workers may)"
+                )
             return "", ""
         if caller.worker_id:
-            check_id("caller.worker_id", caller.worker_id)
-            if not caller.credential:
-                raise InvalidArgument("caller.credential", "is required with caller.worker_id")
-            if len(caller.credential) > MAX_CREDENTIAL_LEN:
-                raise InvalidArgument(
-                    "caller.credential", f"longer than {MAX_CREDENTIAL_LEN} characters"
-                )
-            return caller.worker_id, credential_hash(caller.credential)
-        if scheduler_may and not self.settings.scheduler_token:
-            return "", ""
-        raise InvalidArgument(
-            "caller.worker_id",
-            "is required: a session worker's id and registry credential"
-            + (" (or the scheduler token)" if scheduler_may else ""),
-        )
+            return self._as_worker(caller)
+        if self.settings.scheduler_token or self.settings.gateway_token:
+            raise InvalidArgument(
+                "caller.worker_id",
+                "is required: a session worker's id and registry credential"
+                + (" (or the scheduler token)" if scheduler_may else "")
+                + (" (or the gateway token)" if gateway_may else ""),
+            )
+        return "", ""  # auth off and no token configured: development, trusted
+
+    @staticmethod
+    def _as_worker(caller: Caller) -> tuple[str, str]:
+        """A worker's (id, credential hash); the session script checks both."""
+        if not caller.worker_id:
+            raise InvalidArgument(
+                "caller.worker_id", "is required: a worker acts with its id and credential"
+            )
+        check_id("caller.worker_id", caller.worker_id)
+        if not caller.credential:
+            raise InvalidArgument("caller.credential", "is required with caller.worker_id")
+        if len(caller.credential) > MAX_CREDENTIAL_LEN:
+            raise InvalidArgument(
+                "caller.credential", f"longer than {MAX_CREDENTIAL_LEN} characters"
+            )
+        return caller.worker_id, credential_hash(caller.credential)
 
     def _clamp_lease(self, requested_ms: int, deadline_ms: int) -> int:
         s = self.settings

@@ -52,9 +52,13 @@ class RegistryApi(r_grpc.RegistryServiceServicer):
     ) -> r.RegisterWorkerResponse:
         if not request.HasField("capability"):
             raise InvalidArgument("capability", "is required")
-        reg = await self.svc.register(
-            cv.spec_from_pb(request.capability), request.credential, request.lease_ttl_ms
-        )
+        spec = cv.spec_from_pb(request.capability)
+        who = auth.current()
+        if who is not None and who.role is auth.Role.WORKER:
+            refusal = who.may_register(spec.worker_id, spec.pool_id)
+            if refusal:
+                raise PermissionDenied(refusal)
+        reg = await self.svc.register(spec, request.credential, request.lease_ttl_ms)
         return r.RegisterWorkerResponse(
             worker_id=reg.worker_id,
             lease_ttl_ms=reg.lease_ttl_ms,

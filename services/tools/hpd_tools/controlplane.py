@@ -59,7 +59,7 @@ class ControlPlaneSettings:
     # auth (hpd_common.auth): the tokens file every service checks callers against, and the
     # token the scheduler and the broker present to the others ('' = auth off)
     auth_tokens_file: str = ""
-    auth_open_reads: bool = True
+    auth_open_reads: bool = False
     service_token: str = ""
     # mutual TLS (hpd_tools.tlsgen makes a throwaway set): every server presents
     # server_cert and asks clients for a certificate of ca; every client trusts ca and

@@ -81,9 +81,13 @@ def parser() -> argparse.ArgumentParser:
         "plain `token` of role scheduler, which the scheduler and broker present)",
     )
     p.add_argument(
-        "--closed-reads",
+        "--open-reads",
         action="store_true",
-        help="with auth, read-only RPCs need a token too (default: reads are open)",
+        help="with auth, let read-only RPCs through without a token (default: reads need any "
+        "known token or certificate: worker endpoints and route records are not for strangers)",
+    )
+    p.add_argument(
+        "--closed-reads", action="store_true", help="the default now; kept for older scripts"
     )
     p.add_argument(
         "--tls",
@@ -167,7 +171,7 @@ def _announce(
             flush=True,
         )
     if tokens_file:
-        reads = "need a token" if args.closed_reads else "are open"
+        reads = "are open (--open-reads)" if args.open_reads else "need a token"
         print(f"hpd: auth on (tokens: {tokens_file}); reads {reads}", flush=True)
     print(f"hpd: state store {redis_url}; Ctrl-C to stop", flush=True)
 
@@ -202,7 +206,7 @@ async def _serve(args: argparse.Namespace, redis_url: str) -> None:
             metrics_port=args.metrics_port,
             log_level=args.log_level,
             auth_tokens_file=tokens_file,
-            auth_open_reads=not args.closed_reads,
+            auth_open_reads=args.open_reads,
             service_token=service_token,
             **tls,  # type: ignore[arg-type]
         )
@@ -254,7 +258,7 @@ def parse(argv: Sequence[str] | None, env: Mapping[str, str] | None = None) -> a
 
 
 def _typed(key: str, action: argparse.Action, raw: Any) -> Any:
-    flag = action.nargs == 0  # --auth, --tls, --closed-reads: booleans
+    flag = action.nargs == 0  # --auth, --tls, --open-reads: booleans
     kind: Any = bool if flag else (action.type if callable(action.type) else str)
     return coerce(key, kind, raw)
 
