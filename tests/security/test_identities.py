@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -48,7 +49,7 @@ async def plane(
         yield p
 
 
-async def _register(plane: Plane, wid: str, who: str = "wk", **kw: object) -> str:
+async def _register(plane: Plane, wid: str, who: str = "wk", **kw: Any) -> str:
     resp = await plane.registry(who).RegisterWorker(
         r.RegisterWorkerRequest(capability=capability(wid, **kw), lease_ttl_ms=60_000), timeout=5
     )
