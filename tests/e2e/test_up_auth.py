@@ -115,7 +115,7 @@ def test_operator_commands_need_an_operator(up: Up) -> None:
     # a worker token may not deregister someone else's worker without its credential
     done = up.hpd("deregister", "auth-e2e", token=worker)
     assert done.returncode == 1 and "PERMISSION_DENIED" in done.stderr, done.stderr
-    with sync_channel(up.registry) as ch:  # reads are open by default
+    with sync_channel(up.registry, CallIdentity(token=worker)) as ch:  # reads need a token
         got = r_grpc.RegistryServiceStub(ch).GetWorker(
             r.GetWorkerRequest(worker_id="auth-e2e"), timeout=5
         )

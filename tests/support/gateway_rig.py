@@ -21,9 +21,10 @@ import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from hpd_gateway.api import build_app
+from hpd_gateway.api import build_app, build_metrics_app
 from hpd_gateway.control_client import ControlPlane
 from hpd_gateway.engine_client import EngineHttp
+from hpd_gateway.keys import ApiKeys
 from hpd_gateway.metrics import GatewayMetrics
 from hpd_gateway.plan import Outcome, Plan, Step
 from hpd_gateway.protocol import GatewayError
@@ -213,6 +214,7 @@ class FakeControl:
         self.reports: list[tuple[str, Outcome]] = []
         self.prefixes: list[tuple[tuple[int, ...], int]] = []
         self.block = 0  # the engines' KV block size the fleet shows (0: none known)
+        self.context = 0  # the engines' stated context length (0: none stated)
         self.done: list[str] = []
         self.failed: list[tuple[str, str, bool]] = []
         self._recorded = asyncio.Event()
@@ -229,12 +231,16 @@ class FakeControl:
     def block_tokens(self, model: str) -> int:
         return self.block if model == MODEL else 0
 
+    def context_tokens(self, model: str) -> int:
+        return self.context if model == MODEL else 0
+
     async def schedule(
         self, request_id: str, model: str, prompt_tokens: int, output_tokens: int, tier: str,
         prefix: tuple[int, ...] = (), block_tokens: int = 0,
     ) -> Plan:  # fmt: skip
         self.scheduled.append((request_id, model, prompt_tokens, output_tokens, tier))
         self.prefixes.append((prefix, block_tokens))
+        self._recorded.set()
         if self.schedule_error is not None:
             raise self.schedule_error
         assert self.plan is not None, "the test set no plan"
@@ -283,6 +289,8 @@ class Rig:
     engines: dict[str, FakeEngine]
     url: str
     http: aiohttp.ClientSession
+    metrics_url: str = ""
+    gateway: Gateway | None = None
 
     def __getitem__(self, name: str) -> FakeEngine:
         return self.engines[name]
@@ -328,6 +336,8 @@ async def open_rig(
     config: GatewayConfig | None = None,
     max_body_bytes: int = 4 << 20,
     max_concurrent: int = 1024,
+    keys: ApiKeys | None = None,
+    body_timeout_s: float = 15.0,
 ) -> AsyncIterator[Rig]:
     engines = {name: FakeEngine(name) for name in ("p1", "d1", "d2")}
     for e in engines.values():
@@ -339,19 +349,28 @@ async def open_rig(
     gateway = Gateway(
         cast(ControlPlane, control), http_to_engines, GatewayMetrics(CollectorRegistry()), config
     )
-    app = build_app(gateway, max_body_bytes=max_body_bytes, max_concurrent=max_concurrent)
+    app = build_app(
+        gateway, max_body_bytes=max_body_bytes, max_concurrent=max_concurrent, keys=keys,
+        body_timeout_s=body_timeout_s,
+    )  # fmt: skip
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=0.5)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     host, port = runner.addresses[0][:2]
+    metrics = web.AppRunner(build_metrics_app(gateway), access_log=None)
+    await metrics.setup()
+    await web.TCPSite(metrics, "127.0.0.1", 0).start()
+    mhost, mport = metrics.addresses[0][:2]
     http = aiohttp.ClientSession()
     try:
-        yield Rig(control, engines, f"http://{host}:{port}", http)
+        url, murl = f"http://{host}:{port}", f"http://{mhost}:{mport}/metrics"
+        yield Rig(control, engines, url, http, murl, gateway)
     finally:
         await http.close()
         for e in engines.values():
             e.release.set()
         await runner.cleanup()
+        await metrics.cleanup()
         await http_to_engines.close()
         for e in engines.values():
             await e.stop()

@@ -221,6 +221,7 @@ def build_spec(
         hbm_gbps=flags.hbm_gbps,
         kv_memory_total_bytes=facts.kv_memory_bytes,
         max_batch_size=flags.max_batch_size or facts.max_num_seqs or DEFAULT_MAX_BATCH,
+        max_context_tokens=max(0, facts.max_model_len),
         kv_format=kv,
         network=NetworkLocation(
             zone=flags.zone, rack=flags.rack, host=flags.host or host, nic_gbps=flags.nic_gbps

@@ -30,6 +30,7 @@ from hpd_common.aio import cancel_and_wait
 from hpd_common.channels import CallSettings
 from hpd_common.diagnostics import DiagnosticsApi
 from hpd_common.errors import InvalidArgument
+from hpd_common.exposure import check_exposure
 from hpd_common.logging import get_logger
 from hpd_common.redis_conn import RedisHealthProbe
 
@@ -76,10 +77,22 @@ class ServerSettings(CallSettings):
     log_level: str = field(default="info", metadata={"help": "debug, info, warning or error"})
     json_logs: bool | None = field(default=None, metadata={"help": "JSON logs (default: no TTY)"})
     shutdown_grace_s: float = field(default=5.0, metadata={"help": "drain time on SIGTERM"})
+    insecure: bool = field(
+        default=False,
+        metadata={"help": "listen beyond loopback without auth and TLS anyway (never in "
+                  "production: anyone who reaches the port may register workers)"},
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         if not 0 <= self.redis_memory_limit_ratio < 1:
             raise InvalidArgument("redis_memory_limit_ratio", "must be in [0, 1)")
+        check_exposure(
+            self.host,
+            auth=bool(self.auth_tokens_file),
+            tls=bool(self.tls_cert_file),
+            insecure=self.insecure,
+            what="this service",
+        )
 
     def with_overrides(self, **changes: Any) -> Any:
         return dataclasses.replace(self, **changes)

@@ -97,6 +97,7 @@ class WorkerSpec:
     kv_format: KvFormat
     network: NetworkLocation = NetworkLocation()
     labels: tuple[tuple[str, str], ...] = ()
+    max_context_tokens: int = 0  # prompt + output the engine accepts; 0 = not stated
 
     def to_dict(self) -> dict[str, Any]:
         kv = self.kv_format
@@ -117,6 +118,7 @@ class WorkerSpec:
             "hbm_gbps": self.hbm_gbps,
             "kv_memory_total_bytes": self.kv_memory_total_bytes,
             "max_batch_size": self.max_batch_size,
+            "max_context_tokens": self.max_context_tokens,
             "kv_format": {
                 "dtype": kv.dtype.value,
                 "layout": kv.layout.value,
@@ -158,6 +160,7 @@ class WorkerSpec:
             hbm_gbps=float(d["hbm_gbps"]),
             kv_memory_total_bytes=int(d["kv_memory_total_bytes"]),
             max_batch_size=int(d["max_batch_size"]),
+            max_context_tokens=int(d.get("max_context_tokens") or 0),
             kv_format=KvFormat(
                 dtype=KvDtype(kv["dtype"]),
                 layout=KvLayout(kv["layout"]),

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import ssl
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import REGISTRY, CollectorRegistry
@@ -26,14 +28,16 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from hpd_common import aio
 from hpd_common.channels import CallSettings
 from hpd_common.errors import InvalidArgument
+from hpd_common.exposure import check_exposure
 from hpd_common.logging import configure_logging, get_logger
 from hpd_common.metrics import watch_gc
 from hpd_common.server import freeze_startup_heap
 from hpd_common.settings import load_settings, settings_parser, split_csv
 
-from .api import build_app
+from .api import build_app, build_metrics_app
 from .control_client import ControlPlane
 from .engine_client import EngineHttp
+from .keys import ApiKeys, KeyFileError
 from .metrics import GatewayMetrics
 from .service import Gateway, GatewayConfig
 from .tokens import LocalTokenizers
@@ -65,9 +69,36 @@ class GatewaySettings(CallSettings):
             "instead of asking an engine's /tokenize"
         },
     )
-    default_tier: str = field(default="standard", metadata={"help": "tier without a header"})
-    api_key_tiers: str = field(
-        default="", metadata={"help": "tier per API key, key=tier,key=tier (Bearer keys)"}
+    default_tier: str = field(
+        default="standard", metadata={"help": "tier of a request without a header (no keys)"}
+    )
+    api_keys: str = field(
+        default="",
+        metadata={"help": "YAML file of clients' API keys, each bound to a tenant, its tiers "
+                  "and limits (hpd_gateway/keys.py; `hpd gateway-key` makes one): every "
+                  "request then needs Authorization: Bearer <key>"},
+    )  # fmt: skip
+    tls_cert_file: str = field(default="", metadata={"help": "PEM certificate: serve HTTPS"})
+    tls_key_file: str = field(default="", metadata={"help": "PEM private key of the certificate"})
+    insecure: bool = field(
+        default=False,
+        metadata={"help": "listen beyond loopback without API keys and TLS anyway (behind a "
+                  "proxy that does both; never open to the internet)"},
+    )  # fmt: skip
+    metrics_host: str = field(default="127.0.0.1", metadata={"help": "address of /metrics"})
+    metrics_port: int = field(
+        default=0,
+        metadata={"help": "port of /metrics, a listener of its own (0 = a free port, printed "
+                  "at start; -1 = off); the public port never shows engines' addresses"},
+    )  # fmt: skip
+    body_timeout_s: float = field(
+        default=15.0, metadata={"help": "a request body must arrive within this; else 408"}
+    )
+    keepalive_timeout_s: float = field(
+        default=15.0, metadata={"help": "an idle client connection is closed after this"}
+    )
+    max_connections: int = field(
+        default=4096, metadata={"help": "open client connections; past it new ones are closed"}
     )
     default_output_tokens: int = field(
         default=256, metadata={"help": "expected output tokens when max_tokens is not given"}
@@ -109,8 +140,61 @@ def _pairs(text: str, name: str) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
-def _tiers(text: str) -> tuple[tuple[str, str], ...]:
-    return _pairs(text, "api_key_tiers")
+def _check(s: GatewaySettings) -> ApiKeys | None:
+    """The settings' files and exposure, checked before anything starts; the API keys."""
+    if bool(s.tls_cert_file) != bool(s.tls_key_file):
+        raise InvalidArgument("tls_key_file", "tls_cert_file and tls_key_file go together")
+    keys = ApiKeys.load(s.api_keys) if s.api_keys else None
+    check_exposure(
+        s.host, auth=keys is not None, tls=bool(s.tls_cert_file), insecure=s.insecure,
+        what="hpd gateway",
+    )  # fmt: skip
+    for name in ("body_timeout_s", "keepalive_timeout_s"):
+        if not getattr(s, name) > 0:
+            raise InvalidArgument(name, "must be > 0")
+    if s.max_connections < 1:
+        raise InvalidArgument("max_connections", "must be >= 1")
+    return keys
+
+
+def _cap_connections(server: web.Server, cap: int, metrics: GatewayMetrics) -> None:
+    """Close a new connection past ``cap`` open ones at once (aiohttp has no such limit):
+    slow or idle clients cannot take every socket the process may open."""
+    made, lost = server.connection_made, server.connection_lost
+    open_now = 0
+
+    def connection_made(handler: Any, transport: Any) -> None:
+        nonlocal open_now
+        open_now += 1
+        metrics.connections.set(open_now)
+        made(handler, transport)
+        if open_now > cap:
+            metrics.refused.labels("connection_cap").inc()
+            transport.close()
+
+    def connection_lost(handler: Any, exc: BaseException | None) -> None:
+        nonlocal open_now
+        open_now -= 1
+        metrics.connections.set(open_now)
+        lost(handler, exc)
+
+    server.connection_made = connection_made  # type: ignore[method-assign]
+    server.connection_lost = connection_lost  # type: ignore[method-assign,assignment]
+
+
+async def make_runner(
+    app: web.Application, s: GatewaySettings, metrics: GatewayMetrics
+) -> web.AppRunner:
+    """The public port's runner, set up: handlers cancelled with their client, the keep-alive
+    timeout and the connection cap of ``s``."""
+    runner = web.AppRunner(
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=3.0,
+        keepalive_timeout=s.keepalive_timeout_s,
+    )  # fmt: skip
+    await runner.setup()
+    assert runner.server is not None
+    _cap_connections(runner.server, s.max_connections, metrics)
+    return runner
 
 
 class GatewayServer:
@@ -143,14 +227,15 @@ class GatewayServer:
             self.control,
             self.engines,
             GatewayMetrics(metrics_registry),
-            GatewayConfig(
-                s.default_tier, s.default_output_tokens, _tiers(s.api_key_tiers), s.prefix_routing
-            ),
+            GatewayConfig(s.default_tier, s.default_output_tokens, s.prefix_routing),
             tokenizers=LocalTokenizers(dict(_pairs(s.tokenizer, "tokenizer"))),
             **extra,
         )
+        self.keys = _check(s)
         self._runner: web.AppRunner | None = None
+        self._metrics_runner: web.AppRunner | None = None
         self.url = ""
+        self.metrics_url = ""
 
     async def start(self, fleet_wait_s: float = 5.0) -> str:
         """Connect, listen, wait (at most ``fleet_wait_s``) for the first fleet view; returns
@@ -158,15 +243,25 @@ class GatewayServer:
         s = self.settings
         await self.control.start()
         await self.engines.start()
-        app = build_app(self.gateway, s.max_body_bytes, s.max_concurrent)
-        self._runner = web.AppRunner(
-            app, handler_cancellation=True, access_log=None, shutdown_timeout=3.0
-        )
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, s.host, s.port)
+        app = build_app(
+            self.gateway, s.max_body_bytes, s.max_concurrent, keys=self.keys,
+            body_timeout_s=s.body_timeout_s,
+        )  # fmt: skip
+        self._runner = await make_runner(app, s, self.gateway.metrics)
+        ssl_ctx = None
+        if s.tls_cert_file:
+            ssl_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            ssl_ctx.load_cert_chain(s.tls_cert_file, s.tls_key_file)
+        site = web.TCPSite(self._runner, s.host, s.port, ssl_context=ssl_ctx)
         await site.start()
         host, port = self._runner.addresses[0][:2]
-        self.url = f"http://{host}:{port}"
+        self.url = f"{'https' if ssl_ctx else 'http'}://{host}:{port}"
+        if s.metrics_port >= 0:
+            self._metrics_runner = web.AppRunner(build_metrics_app(self.gateway), access_log=None)
+            await self._metrics_runner.setup()
+            await web.TCPSite(self._metrics_runner, s.metrics_host, s.metrics_port).start()
+            mhost, mport = self._metrics_runner.addresses[0][:2]
+            self.metrics_url = f"http://{mhost}:{mport}/metrics"
         await self.control.fleet.wait_synced(fleet_wait_s)
         return self.url
 
@@ -176,6 +271,9 @@ class GatewayServer:
         if self._runner is not None:
             runner, self._runner = self._runner, None
             await runner.cleanup()
+        if self._metrics_runner is not None:
+            mrunner, self._metrics_runner = self._metrics_runner, None
+            await mrunner.cleanup()
         await self.gateway.flush(flush_s)
         await self.engines.close()
         await self.control.close()
@@ -185,6 +283,10 @@ async def serve(s: GatewaySettings, ready: asyncio.Event | None = None) -> None:
     server = GatewayServer(s)
     url = await server.start()
     print(f"hpd: gateway listening on {url}", file=sys.stderr, flush=True)
+    if server.metrics_url:
+        print(f"hpd: gateway metrics on {server.metrics_url}", file=sys.stderr, flush=True)
+    if server.keys is None:
+        log.warning("api_keys_off", detail="any client may use any tier (no --api-keys)")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -206,10 +308,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = load_settings(GatewaySettings, args)
         configure_logging(settings.log_level, settings.json_logs)
-        _tiers(settings.api_key_tiers)
+        _check(settings)
         LocalTokenizers(dict(_pairs(settings.tokenizer, "tokenizer")))  # fails fast
         aio.event_loop()  # an unknown HPD_EVENT_LOOP, before anything starts
-    except (InvalidArgument, ValueError) as exc:
+    except (InvalidArgument, KeyFileError, ValueError) as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
     aio.run(serve(settings))

@@ -140,6 +140,16 @@ class ControlPlane:
         recs.sort(key=lambda r: (Stage.DECODE not in r.spec.stages, r.spec.worker_id))
         return [r.spec.endpoint for r in recs]
 
+    def context_tokens(self, model: str) -> int:
+        """The longest sequence every engine of the model accepts (its smallest stated
+        ``max_context_tokens``; 0 when none states one)."""
+        stated = [
+            r.spec.max_context_tokens
+            for r in self.fleet.workers.values()
+            if r.spec.model_id == model and r.spec.max_context_tokens > 0
+        ]
+        return min(stated) if stated else 0
+
     def block_tokens(self, model: str) -> int:
         """The KV block size the model's prefill-capable engines cache prompts in (the most
         common one; 0 when none is known): the gateway keys a prompt's blocks at it."""

@@ -1,4 +1,5 @@
-"""The gateway's Prometheus metrics (served on its own ``/metrics``)."""
+"""The gateway's Prometheus metrics (served on the gateway's metrics listener, not its
+public port)."""
 
 from __future__ import annotations
 
@@ -42,3 +43,16 @@ class GatewayMetrics:
         self.tokenize_seconds = self.phase.labels("tokenize")  # per request: looked up once
         self.schedule_seconds = self.phase.labels("schedule")
         self.in_flight = Gauge("hpd_gateway_in_flight", "Requests being served", registry=r)
+        self.refused = Counter(
+            "hpd_gateway_refused", "Connections and requests refused before any work, by reason",
+            ["reason"], registry=r,
+        )  # fmt: skip
+        self.connections = Gauge("hpd_gateway_connections", "Open client connections", registry=r)
+        self.tenant_requests = Counter(
+            "hpd_gateway_tenant_requests", "Requests per API key's tenant, by HTTP status",
+            ["tenant", "status"], registry=r,
+        )  # fmt: skip
+        self.tenant_tokens = Counter(
+            "hpd_gateway_tenant_tokens", "Prompt and planned output tokens admitted per tenant",
+            ["tenant"], registry=r,
+        )  # fmt: skip

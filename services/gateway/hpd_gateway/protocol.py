@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -88,6 +89,7 @@ class ClientRequest:
     stream: bool
     max_tokens: int  # 0 when the client left it to the engine
     include_usage: bool
+    body_bytes: int = 0  # the body's size as sent
 
     @property
     def path(self) -> str:
@@ -138,6 +140,26 @@ def _check_messages(messages: Any) -> None:
             raise BadRequest(f"messages[{i}].content", "must be a string or a list of parts")
 
 
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")  # a JSON escape of a UTF-16 surrogate
+
+
+def _check_encodable(value: Any, where: str) -> None:
+    """400 for a string holding a lone surrogate (JSON may escape one; UTF-8 cannot hold it,
+    so no tokenizer or engine can take it)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise BadRequest(where, "holds a lone UTF-16 surrogate, which is not text") from exc
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_encodable(k, where)
+            _check_encodable(v, f"{where}.{k}" if where != "body" else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_encodable(v, f"{where}[{i}]")
+
+
 def parse_request(kind: str, raw: bytes) -> ClientRequest:
     """Check a client body for ``kind`` (module docstring); BadRequest naming the field."""
     try:
@@ -148,6 +170,8 @@ def parse_request(kind: str, raw: bytes) -> ClientRequest:
         raise BadRequest("body", "is nested too deeply") from exc
     if not isinstance(body, dict):
         raise BadRequest("body", "must be a JSON object")
+    if _SURROGATE.search(raw):  # only then is the walk worth its cost
+        _check_encodable(body, "body")
     model = body.get("model")
     if not isinstance(model, str) or not model.strip():
         raise BadRequest("model", "is required (a model id from GET /v1/models)")
@@ -183,7 +207,7 @@ def parse_request(kind: str, raw: bytes) -> ClientRequest:
     include_usage = bool(opts.get("include_usage")) if isinstance(opts, dict) else False
     model = model.strip()
     body = {**body, "model": model}  # the engines get the id that was counted and scheduled
-    return ClientRequest(kind, body, model, stream, max_tokens or 0, include_usage)
+    return ClientRequest(kind, body, model, stream, max_tokens or 0, include_usage, len(raw))
 
 
 def prefill_body(req: ClientRequest) -> dict[str, Any]:

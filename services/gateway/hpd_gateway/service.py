@@ -65,6 +65,10 @@ log = get_logger("gateway")
 TOKENIZE_TIMEOUT_S = 2.0
 """Counting tokens is milliseconds of work: an engine that takes longer is stuck or
 overloaded, and the next one is asked."""
+TOKENIZE_OFF_LOOP_BYTES = 16 << 10
+"""A prompt in a body past this is tokenized on a worker thread. Below it, encoding takes
+well under a millisecond, less than the thread hop costs; a 4 MiB prompt takes the best part
+of a second, which every stream on the event loop would otherwise wait out."""
 REPLAN_SUFFIX = ":replan"
 """The request id of the one re-plan after a plan's fallback chain ran out is the request's
 id with this suffix (its route record carries the request's final outcome)."""
@@ -91,7 +95,6 @@ class Sink(Protocol):
 class GatewayConfig:
     default_tier: str = "standard"
     default_output_tokens: int = 256
-    api_key_tiers: tuple[tuple[str, str], ...] = ()
     prefix_routing: bool = True
 
 
@@ -130,14 +133,6 @@ class Gateway:
         self._clock = clock
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def tier_for(self, header_tier: str, api_key: str) -> str:
-        if header_tier:
-            return header_tier
-        for key, tier in self.config.api_key_tiers:
-            if key == api_key:
-                return tier
-        return self.config.default_tier
-
     async def flush(self, timeout_s: float) -> None:
         """Wait up to ``timeout_s`` for the reports still on their way; cancel the rest."""
         tasks = set(self._tasks)
@@ -174,11 +169,9 @@ class Gateway:
         if ids is not None:  # token ids: counted as sent, no tokenizer and no round trip
             return len(ids), ids
         if endpoints and self.tokenizers is not None and req.model in self.tokenizers:
-            # a completions prompt is encoded once: its ids are its count
-            ids = self.tokenizers.ids(req.model, req.body)
-            if ids is not None:
-                return len(ids), ids
-            return self.tokenizers.count(req.model, req.body), None
+            if req.body_bytes > TOKENIZE_OFF_LOOP_BYTES:  # the streams keep flowing meanwhile
+                return await asyncio.to_thread(self._local_count, req)
+            return self._local_count(req)
         if not endpoints:
             raise GatewayError(
                 404, f"the model {req.model!r} has no worker in the fleet",
@@ -206,20 +199,60 @@ class Gateway:
             code="upstream_error",
         )  # fmt: skip
 
+    def _output_tokens(self, req: ClientRequest, prompt_tokens: int) -> int:
+        """The output tokens to plan for: the client's ``max_tokens``, else the default, and
+        no more than the model's context leaves (400 when the request cannot fit: the
+        engine would refuse it after its KV had been reserved)."""
+        ctx = self.control.context_tokens(req.model)
+        if ctx and prompt_tokens + (req.max_tokens or 1) > ctx:
+            asked = f" + max_tokens {req.max_tokens}" if req.max_tokens else ""
+            raise GatewayError(
+                400, f"the prompt's {prompt_tokens} tokens{asked} exceed the model's context of "
+                f"{ctx} tokens", param="max_tokens" if req.max_tokens else "prompt",
+                code="context_length_exceeded",
+            )  # fmt: skip
+        out = req.max_tokens or self.config.default_output_tokens
+        return min(out, ctx - prompt_tokens) if ctx else out
+
+    async def _size(
+        self, req: ClientRequest, charge: Callable[[int], None] | None
+    ) -> tuple[int, int, tuple[int, ...], int]:
+        """(prompt tokens, output tokens to plan, prefix block chain, block size), the tokens
+        charged to the caller's key."""
+        prompt_tokens, ids = await self._count_tokens(req)
+        output_tokens = self._output_tokens(req, prompt_tokens)
+        if charge is not None:
+            charge(prompt_tokens + output_tokens)
+        prefix, block = self._prefix(req.model, ids)
+        return prompt_tokens, output_tokens, prefix, block
+
+    def _local_count(self, req: ClientRequest) -> tuple[int, list[int] | None]:
+        assert self.tokenizers is not None
+        # a completions prompt is encoded once: its ids are its count
+        ids = self.tokenizers.ids(req.model, req.body)
+        if ids is not None:
+            return len(ids), ids
+        return self.tokenizers.count(req.model, req.body), None
+
     async def handle(
-        self, req: ClientRequest, sink: Sink, request_id: str = "", tier: str = ""
+        self,
+        req: ClientRequest,
+        sink: Sink,
+        request_id: str = "",
+        tier: str = "",
+        charge: Callable[[int], None] | None = None,
     ) -> Outcome:
-        """Serve one request into ``sink`` (module docstring); returns what happened."""
+        """Serve one request into ``sink`` (module docstring); returns what happened.
+        ``charge``: takes the request's prompt and output tokens from its key's budget (raises
+        the 429), called once they are counted."""
         t0 = self._clock()
         request_id = request_id or "gw-" + uuid.uuid4().hex
         out = Outcome()
         plan: Plan | None = None
         self.metrics.in_flight.inc()
         try:
-            prompt_tokens, ids = await self._count_tokens(req)
-            output_tokens = req.max_tokens or self.config.default_output_tokens
+            prompt_tokens, output_tokens, prefix, block = await self._size(req, charge)
             tier = tier or self.config.default_tier
-            prefix, block = self._prefix(req.model, ids)
             t_s = self._clock()
             out.tokenize_ms = (t_s - t0) * 1000
             sink.server_timing["tokenize"] = out.tokenize_ms

@@ -30,6 +30,18 @@ def prompt_token_ids(body: Mapping[str, Any]) -> list[int] | None:
     return None
 
 
+GIL_FREE_CHARS = 4096
+"""Texts longer than this are encoded with ``encode_batch``, which releases the GIL while it
+runs (``encode`` holds it): on the gateway's worker thread, the event loop keeps serving
+streams meanwhile. Shorter ones take ``encode``, which skips the batch's thread pool."""
+
+
+def _encode(tok: Any, text: str, special: bool) -> list[int]:
+    if len(text) > GIL_FREE_CHARS:
+        return list(tok.encode_batch([text], add_special_tokens=special)[0].ids)
+    return list(tok.encode(text, add_special_tokens=special).ids)
+
+
 class LocalTokenizers:
     """``model id -> tokenizer`` loaded from folders holding ``tokenizer.json``."""
 
@@ -59,7 +71,7 @@ class LocalTokenizers:
             return ids
         prompt = body["prompt"]
         text = prompt[0] if isinstance(prompt, list) else prompt
-        return list(self._tok[model].encode(str(text)).ids)
+        return _encode(self._tok[model], str(text), True)
 
     def count(self, model: str, body: Mapping[str, Any]) -> int:
         """Prompt tokens of a checked completions or chat body."""
@@ -72,6 +84,6 @@ class LocalTokenizers:
             content = m.get("content")
             if isinstance(content, list):  # parts: count their text
                 content = " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-            total += len(tok.encode(str(content or ""), add_special_tokens=False).ids)
+            total += len(_encode(tok, str(content or ""), False))
             total += CHAT_TOKENS_PER_MESSAGE
         return total

@@ -10,8 +10,8 @@ from hetero_pd.v1 import kvbroker_pb2 as k
 from hpd_common.errors import InvalidArgument
 from hpd_common.kvformat import KvFormat, Negotiation, Verdict
 from hpd_kvbroker.domain import Session, SessionState
+from hpd_kvbroker.identity import Caller
 from hpd_kvbroker.matrix import MatrixView
-from hpd_kvbroker.service import Caller
 from hpd_registry.convert import kv_format_from_pb, kv_format_to_pb
 
 VERDICT_TO_PB = {

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import os
 import random
 from collections.abc import AsyncIterator, Callable
@@ -27,9 +26,7 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from hpd_common import auth
 from hpd_common.aio import cancel_and_wait
-from hpd_common.auth import Role
 from hpd_common.clock import Clock
 from hpd_common.errors import (
     AlreadyExists,
@@ -44,8 +41,6 @@ from hpd_common.logging import get_logger
 from hpd_common.redis_conn import refuse_when_full
 from hpd_kvbroker import metrics
 from hpd_kvbroker.domain import (
-    GATEWAY_OPS,
-    SCHEDULER_OPS,
     Op,
     Session,
     SessionState,
@@ -55,6 +50,7 @@ from hpd_kvbroker.domain import (
     negotiation_json,
     worker_lost_reason,
 )
+from hpd_kvbroker.identity import Caller, authenticate
 from hpd_kvbroker.keys import KvKeys
 from hpd_kvbroker.matrix import CompatibilityMatrix, MatrixView
 from hpd_kvbroker.queries import SessionQueries
@@ -63,22 +59,10 @@ from hpd_kvbroker.store import OpenArgs, Result, SessionStore, SweepResult
 from hpd_registry.domain import WorkerRecord
 from hpd_registry.informer import FleetChange, FleetInformer
 from hpd_registry.keys import RegistryKeys
-from hpd_registry.store import RegistryStore, credential_hash
+from hpd_registry.store import RegistryStore
 from hpd_registry.validation import check_id
 
 log = get_logger("kvbroker")
-
-MAX_CREDENTIAL_LEN = 256
-
-
-@dataclass(frozen=True, slots=True)
-class Caller:
-    """Who calls: a worker (id + registry credential), the scheduler or the gateway (tokens)."""
-
-    worker_id: str = ""
-    credential: str = ""
-    scheduler_token: str = ""
-    gateway_token: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,74 +260,6 @@ class KvBrokerService(SessionQueries):
 
     # -- sessions ---------------------------------------------------------------------------
 
-    def _authenticate(self, caller: Caller, op: Op | None) -> tuple[str, str]:
-        """(actor, credential hash): actor '' is the control plane (scheduler, gateway or an
-        operator, as allowed for ``op``; None = opening).
-
-        With auth on, the caller's verified identity (bearer token or client certificate)
-        decides and nothing in the message can raise it: a worker principal is always the
-        worker its ``caller.worker_id`` names, proved by that worker's registration
-        credential (the session script checks it is one of the session's two workers), and
-        the in-message tokens are ignored. With auth off (development), an in-message token
-        is checked against the broker's setting and refused where none is configured; a
-        caller naming a worker is that worker; an empty caller is the control plane unless
-        a token is configured."""
-        scheduler_may = op is None or op in SCHEDULER_OPS
-        gateway_may = op is not None and op in GATEWAY_OPS
-        who = auth.current()  # None: auth is off (these RPCs are never open reads)
-        if who is not None:
-            if who.role is Role.WORKER:
-                return self._as_worker(caller)
-            if who.role is Role.GATEWAY and not gateway_may:
-                raise PermissionDenied("the gateway may not do this (only its workers may)")
-            if who.role is Role.SCHEDULER and not scheduler_may:
-                raise PermissionDenied("only the session's workers may do this, not the scheduler")
-            return "", ""
-        for name, given, configured, allowed in (
-            ("gateway", caller.gateway_token, self.settings.gateway_token, gateway_may),
-            ("scheduler", caller.scheduler_token, self.settings.scheduler_token, scheduler_may),
-        ):
-            if not given:
-                continue
-            if not configured:
-                raise PermissionDenied(
-                    f"this broker has no {name} token configured, so an in-message "
-                    f"{name}_token is refused (use bearer auth: hpd_common.auth)"
-                )
-            if not hmac.compare_digest(configured.encode(), given.encode()):
-                raise PermissionDenied(f"{name} token does not match")
-            if not allowed:
-                raise PermissionDenied(
-                    f"the {name} may not do this (only the session's workers may)"
-                )
-            return "", ""
-        if caller.worker_id:
-            return self._as_worker(caller)
-        if self.settings.scheduler_token or self.settings.gateway_token:
-            raise InvalidArgument(
-                "caller.worker_id",
-                "is required: a session worker's id and registry credential"
-                + (" (or the scheduler token)" if scheduler_may else "")
-                + (" (or the gateway token)" if gateway_may else ""),
-            )
-        return "", ""  # auth off and no token configured: development, trusted
-
-    @staticmethod
-    def _as_worker(caller: Caller) -> tuple[str, str]:
-        """A worker's (id, credential hash); the session script checks both."""
-        if not caller.worker_id:
-            raise InvalidArgument(
-                "caller.worker_id", "is required: a worker acts with its id and credential"
-            )
-        check_id("caller.worker_id", caller.worker_id)
-        if not caller.credential:
-            raise InvalidArgument("caller.credential", "is required with caller.worker_id")
-        if len(caller.credential) > MAX_CREDENTIAL_LEN:
-            raise InvalidArgument(
-                "caller.credential", f"longer than {MAX_CREDENTIAL_LEN} characters"
-            )
-        return caller.worker_id, credential_hash(caller.credential)
-
     def _clamp_lease(self, requested_ms: int, deadline_ms: int) -> int:
         s = self.settings
         ttl = requested_ms or s.lease_ttl_ms
@@ -363,7 +279,7 @@ class KvBrokerService(SessionQueries):
         if deadline > self.settings.max_deadline_ms:
             raise InvalidArgument("deadline_ms", f"at most {self.settings.max_deadline_ms}")
         refuse_when_full(self.client, self.settings.redis_memory_limit_ratio, "KV sessions")
-        actor, cred = self._authenticate(caller, None)
+        actor, cred = authenticate(caller, None, self.settings)
         now = self.clock.now_ms()
         try:
             n = await self.negotiate(req.source_worker_id, req.destination_worker_id)
@@ -435,7 +351,7 @@ class KvBrokerService(SessionQueries):
         reason: str = "",
     ) -> Session:
         check_id("session_id", session_id)
-        actor, cred = self._authenticate(caller, op)
+        actor, cred = authenticate(caller, op, self.settings)
         res = await self.store.transition(
             session_id, op.value, actor, cred, self.clock.now_ms(), bytes_done, reason
         )

@@ -107,6 +107,7 @@ def spec_from_pb(m: c.WorkerCapability) -> WorkerSpec:
         hbm_gbps=m.hbm_gbps,
         kv_memory_total_bytes=m.kv_memory_total_bytes,
         max_batch_size=m.max_batch_size,
+        max_context_tokens=m.max_context_tokens,
         kv_format=kv,
         network=NetworkLocation(
             zone=m.network.zone,
@@ -136,6 +137,7 @@ def spec_to_pb(s: WorkerSpec) -> c.WorkerCapability:
         hbm_gbps=s.hbm_gbps,
         kv_memory_total_bytes=s.kv_memory_total_bytes,
         max_batch_size=s.max_batch_size,
+        max_context_tokens=s.max_context_tokens,
         kv_format=kv_format_to_pb(s.kv_format),
         network=c.NetworkLocation(
             zone=s.network.zone,

@@ -61,6 +61,8 @@ class ControlPlaneSettings:
     auth_tokens_file: str = ""
     auth_open_reads: bool = False
     service_token: str = ""
+    # listen beyond loopback without auth and TLS anyway (hpd_common.exposure)
+    insecure: bool = False
     # mutual TLS (hpd_tools.tlsgen makes a throwaway set): every server presents
     # server_cert and asks clients for a certificate of ca; every client trusts ca and
     # presents client_cert ('' = plaintext)
@@ -89,6 +91,7 @@ class _ServerCommon(_TlsSettings, total=False):
     log_level: str
     auth_tokens_file: str
     auth_open_reads: bool
+    insecure: bool
 
 
 class InProcessKvBroker:
@@ -110,7 +113,8 @@ class InProcessKvBroker:
     def __init__(self, service: Any, scheduler_token: str, timeout_s: float) -> None:
         # imported here, not at module level: the launcher loads services only when it
         # starts them (hpd_common is imported by every service)
-        from hpd_kvbroker.service import Caller, OpenRequest
+        from hpd_kvbroker.identity import Caller
+        from hpd_kvbroker.service import OpenRequest
         from hpd_scheduler.broker_client import SessionRefused, refusal_for
 
         self._svc = service
@@ -221,6 +225,7 @@ class ControlPlane:
             log_level=s.log_level,
             auth_tokens_file=s.auth_tokens_file,
             auth_open_reads=s.auth_open_reads,
+            insecure=s.insecure,
             **self._tls(),
         )
 

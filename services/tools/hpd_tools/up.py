@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ import yaml
 
 from hpd_common import auth
 from hpd_common.errors import InvalidArgument
+from hpd_common.exposure import check_exposure
 from hpd_common.logging import configure_logging, get_logger
 from hpd_common.metrics import serve_metrics
 from hpd_common.server import freeze_startup_heap
@@ -52,7 +54,12 @@ def parser() -> argparse.ArgumentParser:
         help="embedded Redis's maxmemory (policy noeviction); new plans and KV sessions are "
         "refused at 90%% of it, before Redis refuses writes (README: sizing)",
     )
-    p.add_argument("--host", default="127.0.0.1", help="address the services listen on")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address the services listen on; anything but loopback needs --auth and --tls "
+        "(or --insecure)",
+    )
     p.add_argument("--registry-port", type=int, default=50051)
     p.add_argument("--scheduler-port", type=int, default=50052)
     p.add_argument("--kvbroker-port", type=int, default=50053)
@@ -66,6 +73,14 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--metrics-port", type=int, default=9451, help="Prometheus port (0 = off)")
     p.add_argument("--lease-ttl-ms", type=int, default=10_000, help="default worker lease")
+    _security_flags(p)
+    p.add_argument("--log-level", default="info")
+    p.add_argument("--json-logs", action=argparse.BooleanOptionalAction, default=None)
+    return p
+
+
+def _security_flags(p: argparse.ArgumentParser) -> None:
+    """Who may call the services, over what, and the way to insist on neither."""
     p.add_argument(
         "--auth",
         action="store_true",
@@ -98,9 +113,12 @@ def parser() -> argparse.ArgumentParser:
         "with --auth, tls/role-<role>.pem + .key identify a caller as that role without "
         "a token",
     )
-    p.add_argument("--log-level", default="info")
-    p.add_argument("--json-logs", action=argparse.BooleanOptionalAction, default=None)
-    return p
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="listen beyond loopback without auth and TLS anyway (never in production: "
+        "anyone who reaches the ports may register workers and receive prompts)",
+    )
 
 
 def _auth(args: argparse.Namespace) -> tuple[str, str]:
@@ -208,6 +226,7 @@ async def _serve(args: argparse.Namespace, redis_url: str) -> None:
             auth_tokens_file=tokens_file,
             auth_open_reads=args.open_reads,
             service_token=service_token,
+            insecure=args.insecure,
             **tls,  # type: ignore[arg-type]
         )
     )
@@ -266,6 +285,17 @@ def _typed(key: str, action: argparse.Action, raw: Any) -> Any:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
     configure_logging(args.log_level, args.json_logs)
+    try:
+        check_exposure(
+            args.host,
+            auth=bool(args.auth or args.auth_tokens_file),
+            tls=bool(args.tls),
+            insecure=bool(args.insecure),
+            what="hpd up",
+        )
+    except InvalidArgument as exc:
+        print(f"hpd up: {exc}", file=sys.stderr)
+        return 2
     serve_metrics(args.metrics_port, args.host)
     if args.redis_url:
         asyncio.run(_serve(args, args.redis_url))

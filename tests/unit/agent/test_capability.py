@@ -109,6 +109,7 @@ def test_full_spec_from_the_recorded_vllm_facts() -> None:
         hbm_gbps=300.0,
         kv_memory_total_bytes=TINY_KV_BYTES,
         max_batch_size=DEFAULT_MAX_BATCH,
+        max_context_tokens=1024,  # the engine's max_model_len
         kv_format=KvFormat(
             dtype=KvDtype.BF16,
             layout=KvLayout.PAGED_NHD,

@@ -109,7 +109,7 @@ class NetworkLocation(_message.Message):
     def __init__(self, zone: _Optional[str] = ..., rack: _Optional[str] = ..., host: _Optional[str] = ..., nic_gbps: _Optional[float] = ...) -> None: ...
 
 class WorkerCapability(_message.Message):
-    __slots__ = ("worker_id", "pool_id", "endpoint", "stages", "model_id", "model_revision", "engine", "engine_version", "gpu_type", "gpu_count", "tp_size", "pp_size", "peak_tflops", "hbm_gbps", "kv_memory_total_bytes", "max_batch_size", "kv_format", "network", "labels")
+    __slots__ = ("worker_id", "pool_id", "endpoint", "stages", "model_id", "model_revision", "engine", "engine_version", "gpu_type", "gpu_count", "tp_size", "pp_size", "peak_tflops", "hbm_gbps", "kv_memory_total_bytes", "max_batch_size", "kv_format", "network", "labels", "max_context_tokens")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,7 @@ class WorkerCapability(_message.Message):
     KV_FORMAT_FIELD_NUMBER: _ClassVar[int]
     NETWORK_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     pool_id: str
     endpoint: str
@@ -155,7 +156,8 @@ class WorkerCapability(_message.Message):
     kv_format: KvFormat
     network: NetworkLocation
     labels: _containers.ScalarMap[str, str]
-    def __init__(self, worker_id: _Optional[str] = ..., pool_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[Stage, str]]] = ..., model_id: _Optional[str] = ..., model_revision: _Optional[str] = ..., engine: _Optional[str] = ..., engine_version: _Optional[str] = ..., gpu_type: _Optional[str] = ..., gpu_count: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., peak_tflops: _Optional[float] = ..., hbm_gbps: _Optional[float] = ..., kv_memory_total_bytes: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., kv_format: _Optional[_Union[KvFormat, _Mapping]] = ..., network: _Optional[_Union[NetworkLocation, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    max_context_tokens: int
+    def __init__(self, worker_id: _Optional[str] = ..., pool_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[Stage, str]]] = ..., model_id: _Optional[str] = ..., model_revision: _Optional[str] = ..., engine: _Optional[str] = ..., engine_version: _Optional[str] = ..., gpu_type: _Optional[str] = ..., gpu_count: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., peak_tflops: _Optional[float] = ..., hbm_gbps: _Optional[float] = ..., kv_memory_total_bytes: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., kv_format: _Optional[_Union[KvFormat, _Mapping]] = ..., network: _Optional[_Union[NetworkLocation, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., max_context_tokens: _Optional[int] = ...) -> None: ...
 
 class LoadReport(_message.Message):
     __slots__ = ("gpu_util", "memory_util", "kv_blocks_free", "kv_blocks_total", "queue_depth", "queue_max", "running_prefills", "batch_size", "itl_p50_ms", "itl_p99_ms", "itl_trend_ms_per_s", "prefill_tokens_per_s", "reported_at_unix_ms", "prefix_cache_hit_rate", "prefill_busy")
