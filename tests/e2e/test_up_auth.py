@@ -92,7 +92,11 @@ def test_the_tokens_file_is_private_and_names_every_role(up: Up) -> None:
 
 def test_the_embedded_redis_is_bounded_and_never_evicts(up: Up) -> None:
     owner = json.loads((up.state / "redis" / "owner.json").read_text())
-    client = redis.Redis(port=int(owner["port"]))
+    password = (up.state / "redis" / "password").read_text().strip()
+    assert password not in up.log.read_text()  # the URL it prints is masked
+    with pytest.raises(redis.AuthenticationError):  # a local process without the password
+        redis.Redis(port=int(owner["port"])).ping()
+    client = redis.Redis(port=int(owner["port"]), password=password)
     try:
         assert int(client.config_get("maxmemory")["maxmemory"]) == 2**30  # --redis-maxmemory
         assert client.config_get("maxmemory-policy")["maxmemory-policy"] == "noeviction"

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
+from urllib.parse import quote
 
 from hpd_common.errors import Unavailable
 
@@ -113,8 +114,12 @@ class EmbeddedRedis:
         persist: bool = True,
         die_with_owner: bool = True,
         extra_args: Sequence[str] = (),
+        password: str = "",
     ) -> None:
         self.state_dir = Path(state_dir)
+        # with a password, every client must AUTH: it is passed in a 0600 config file, not
+        # on the command line (which any local user can read in /proc)
+        self.password = password
         self.port = port or free_port()
         self.persist = persist
         self.die_with_owner = die_with_owner
@@ -157,11 +162,23 @@ class EmbeddedRedis:
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def _auth_conf(self) -> list[str]:
+        """The config file holding the password (mode 0600), as redis-server's first arg."""
+        if not self.password:
+            return []
+        conf = self.state_dir / "auth.conf"
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f'requirepass "{self.password}"\n')
+        return [str(conf)]
 
     def _args(self) -> list[str]:
         return [
             redis_server_binary(),
+            *self._auth_conf(),
             "--port", str(self.port),
             "--bind", "127.0.0.1",
             "--protected-mode", "yes",
@@ -206,6 +223,10 @@ class EmbeddedRedis:
     def ping(self) -> bool:
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
+                if self.password:
+                    sock.sendall(b"AUTH " + self.password.encode() + b"\r\n")
+                    if not sock.recv(64).startswith(b"+OK"):
+                        return False
                 sock.sendall(b"PING\r\n")
                 return sock.recv(64).startswith(b"+PONG")
         except OSError:

@@ -11,6 +11,8 @@ import argparse
 import asyncio
 import contextlib
 import os
+import re
+import secrets
 import signal
 import sys
 from collections.abc import Mapping, Sequence
@@ -48,6 +50,21 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--redis-url", default="", help="use this Redis instead of an embedded one")
     p.add_argument("--state-dir", default=".hpd", help="embedded Redis data (AOF) directory")
     p.add_argument("--redis-port", type=int, default=0, help="embedded Redis port (0 = free port)")
+    p.add_argument(
+        "--redis-fsync",
+        choices=("everysec", "always"),
+        default="everysec",
+        help="embedded Redis's appendfsync: everysec may lose about the last second of "
+        "acknowledged writes if the host dies (not if only the process does); always loses "
+        "none, at a disk flush per write",
+    )
+    p.add_argument(
+        "--redis-min-replicas",
+        type=int,
+        default=0,
+        help="embedded Redis's min-replicas-to-write: refuse writes while fewer replicas are "
+        "connected (lag under 10 s); pair with redis_url ?wait_replicas=N on the services",
+    )
     p.add_argument(
         "--redis-maxmemory",
         default="1gb",
@@ -121,6 +138,24 @@ def _security_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+PASSWORD_FILE = "password"
+
+
+def redis_password(state: Path) -> str:
+    """The embedded Redis's password: made once (random, mode 0600, in a 0700 directory) and
+    kept, so a local user without it can neither read nor rewrite credentials and plans."""
+    state.mkdir(parents=True, exist_ok=True)
+    state.chmod(0o700)
+    path = state / PASSWORD_FILE
+    if path.exists():
+        return path.read_text().strip()
+    token = secrets.token_urlsafe(24)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token
+
+
 def _auth(args: argparse.Namespace) -> tuple[str, str]:
     """(tokens file, the scheduler-role token the services present), or ('', '') for off."""
     if args.auth_tokens_file:
@@ -191,7 +226,8 @@ def _announce(
     if tokens_file:
         reads = "are open (--open-reads)" if args.open_reads else "need a token"
         print(f"hpd: auth on (tokens: {tokens_file}); reads {reads}", flush=True)
-    print(f"hpd: state store {redis_url}; Ctrl-C to stop", flush=True)
+    shown = re.sub(r"//([^@/]*):[^@/]*@", r"//\1:***@", redis_url)  # never print a password
+    print(f"hpd: state store {shown}; Ctrl-C to stop", flush=True)
 
 
 async def _serve(args: argparse.Namespace, redis_url: str) -> None:
@@ -302,7 +338,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     state = Path(args.state_dir).resolve() / "redis"
     limits = ["--maxmemory", str(args.redis_maxmemory), "--maxmemory-policy", "noeviction"]
-    with EmbeddedRedis(state, port=args.redis_port, persist=True, extra_args=limits) as redis:
-        print(f"hpd: embedded Redis on 127.0.0.1:{redis.port} (AOF in {state})", flush=True)
+    limits += ["--appendfsync", args.redis_fsync]
+    if args.redis_min_replicas:
+        limits += ["--min-replicas-to-write", str(args.redis_min_replicas)]
+        limits += ["--min-replicas-max-lag", "10"]
+    password = redis_password(state)
+    with EmbeddedRedis(
+        state, port=args.redis_port, persist=True, extra_args=limits, password=password
+    ) as redis:
+        print(
+            f"hpd: embedded Redis on 127.0.0.1:{redis.port} (AOF in {state}, fsync "
+            f"{args.redis_fsync}; password in {state / PASSWORD_FILE})",
+            flush=True,
+        )
         asyncio.run(_serve(args, redis.url))
     return 0
