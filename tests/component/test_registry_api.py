@@ -228,10 +228,18 @@ async def test_send_directive_delivered_on_next_unary_heartbeat(registry: Regist
         r.HeartbeatRequest(worker_id=wid, credential=reg.credential), timeout=5
     )
     assert [(d.directive_id, d.max_batch_size) for d in hb.directives] == [(sent.directive_id, 96)]
+    # not acked (the answer may have been lost): delivered again
     hb = await registry.stub.Heartbeat(
         r.HeartbeatRequest(worker_id=wid, credential=reg.credential), timeout=5
     )
-    assert list(hb.directives) == []  # delivered once
+    assert [d.directive_id for d in hb.directives] == [sent.directive_id]
+    hb = await registry.stub.Heartbeat(
+        r.HeartbeatRequest(
+            worker_id=wid, credential=reg.credential, acked_directive_ids=[sent.directive_id]
+        ),
+        timeout=5,
+    )
+    assert list(hb.directives) == []  # acked: gone
 
 
 async def test_stream_heartbeats_ack_then_directive(registry: RegistryHandle) -> None:

@@ -27,6 +27,10 @@ REDIS_UNREPLICATED = Counter(
     "hpd_redis_unreplicated_writes_total",
     "Script calls acknowledged with fewer replicas than wait_replicas connected (see redis_conn).",
 )
+DIRECTIVES_DROPPED = Counter(
+    "hpd_registry_directives_dropped_total",
+    "Directives dropped, oldest first, from a worker's queue that was full of un-acked ones.",
+)
 
 GC_PAUSE_SECONDS = Histogram(
     "hpd_gc_pause_seconds",

@@ -24,6 +24,9 @@ from hpd_registry.service import RegistryService
 SERVICE_NAME = r.DESCRIPTOR.services_by_name["RegistryService"].full_name
 
 
+MAX_ACKS = 256  # directive ids one heartbeat acks (a worker has at most as many queued)
+
+
 def _hb_input(m: r.HeartbeatRequest | r.StreamHeartbeatsRequest) -> HeartbeatInput:
     load: LoadReport | None = cv.load_from_pb(m.load) if m.HasField("load") else None
     return HeartbeatInput(
@@ -32,6 +35,7 @@ def _hb_input(m: r.HeartbeatRequest | r.StreamHeartbeatsRequest) -> HeartbeatInp
         load=load,
         health=cv.reported_health(m.reported_health, "reported_health"),
         reason=m.health_reason,
+        acked=tuple(m.acked_directive_ids[:MAX_ACKS]),
     )
 
 

@@ -28,6 +28,14 @@ class HeartbeatInput:
     load: LoadReport | None
     health: str  # '', 'ok', 'bad'
     reason: str = ""
+    acked: tuple[str, ...] = ()  # directive ids the worker has taken
+
+
+@dataclass(frozen=True, slots=True)
+class Acked:
+    """Directive ids a stream's worker acked (the stream stops counting them as sent)."""
+
+    ids: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +124,11 @@ class Heartbeats(RegistryState):
         )
         self._raise_for(res, hb.worker_id)
         ttl = res.lease_ttl_ms
-        directives = await self.store.pop_directives(hb.worker_id) if res.pending_directives else []
+        pending = res.pending_directives
+        if hb.acked and pending:  # the credential was checked: the worker acks its own
+            pending -= await self.store.ack_directives(hb.worker_id, hb.acked)
+        # at least once: every un-acked directive is in every answer until it is acked
+        directives = await self.store.peek_directives(hb.worker_id) if pending > 0 else []
         return HeartbeatOutcome(
             LeaseInfo(ttl, self._interval_for(ttl), res.lease_expires_at_ms),
             directives,
@@ -142,6 +154,7 @@ class Heartbeats(RegistryState):
         ttl = outcome.lease.lease_ttl_ms
         reader = asyncio.create_task(self._read_reports(worker_id, ttl, rest, queue))
         log.info("heartbeat_stream_opened", worker_id=worker_id)
+        sent = {d.directive_id for d in outcome.directives}  # on this stream, not yet acked
         try:
             queue.put_nowait(WAKE)  # anything queued before the stream existed
             while True:
@@ -150,14 +163,15 @@ class Heartbeats(RegistryState):
                     return
                 if isinstance(item, BaseException):
                     raise item
-                if item is WAKE:
-                    directives = await self.store.pop_directives(worker_id)
-                    for i, d in enumerate(directives):
-                        try:
+                if isinstance(item, Acked):
+                    sent -= set(item.ids)
+                elif item is WAKE:
+                    # what is queued and not yet sent here; a directive sent but not acked
+                    # when the stream breaks stays queued and goes out again on the next one
+                    for d in await self.store.peek_directives(worker_id):
+                        if d.directive_id not in sent:
+                            sent.add(d.directive_id)
                             yield d
-                        except BaseException:
-                            await self.store.requeue_directives(worker_id, directives[i:])
-                            raise
                 else:
                     yield item
         finally:
@@ -180,7 +194,11 @@ class Heartbeats(RegistryState):
                     HeartbeatItem(worker_id, "", 0, hb.load, hb.health, hb.reason)
                 )
                 self._raise_for(res, worker_id)
-                if res.pending_directives:
+                pending = res.pending_directives
+                if hb.acked and pending:
+                    pending -= await self.store.ack_directives(worker_id, hb.acked)
+                    out.put_nowait(Acked(hb.acked))
+                if pending > 0:
                     out.put_nowait(WAKE)
                 now = self.clock.monotonic()
                 if now - last_ack >= interval_s:

@@ -273,3 +273,19 @@ for _, id in ipairs(ids) do
 end
 return out
 """
+
+# KEYS 1: a worker's directive queue (JSON per entry); ARGV: the directive ids it acked.
+# Removes those entries; returns how many went. The queue is capped (MAX_PENDING_DIRECTIVES),
+# so the scan is bounded.
+ACK_DIRECTIVES = """
+local acked = {}
+for _, id in ipairs(ARGV) do acked[id] = true end
+local removed = 0
+for _, raw in ipairs(redis.call('LRANGE', KEYS[1], 0, -1)) do
+  local ok, d = pcall(cjson.decode, raw)
+  if ok and type(d) == 'table' and acked[d['directive_id']] then
+    removed = removed + redis.call('LREM', KEYS[1], 1, raw)
+  end
+end
+return removed
+"""

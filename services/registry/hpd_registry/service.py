@@ -34,6 +34,7 @@ from hpd_common.errors import (
 )
 from hpd_common.gpus import GPU_ALIASES, GPU_PROFILES
 from hpd_common.logging import get_logger
+from hpd_common.metrics import DIRECTIVES_DROPPED
 from hpd_common.worker_model import Health, WorkerSpec
 from hpd_registry.domain import (
     Directive,
@@ -238,7 +239,7 @@ class RegistryService(ChangeFeed, Heartbeats):
             revision=rev,
         )
         if op == "drain" and status == "ok":
-            await self.store.push_directive(
+            await self._queue_directive(
                 worker_id,
                 Directive(
                     kind=DirectiveKind.DRAIN,
@@ -257,11 +258,18 @@ class RegistryService(ChangeFeed, Heartbeats):
         if rec is None or self.lapsed(rec, self.clock.now_ms()):
             raise NotFound("worker", worker_id)
         d = replace(directive, directive_id=uuid.uuid4().hex, created_at_ms=self.clock.now_ms())
-        await self.store.push_directive(worker_id, d)
+        await self._queue_directive(worker_id, d)
         log.info(
             "directive_queued", worker_id=worker_id, kind=d.kind.value, directive_id=d.directive_id
         )
         return d.directive_id, worker_id in self._streams
+
+    async def _queue_directive(self, worker_id: str, d: Directive) -> None:
+        dropped = await self.store.push_directive(worker_id, d)
+        if dropped:
+            DIRECTIVES_DROPPED.inc(dropped)
+            log.warning("directives_dropped", worker_id=worker_id, count=dropped,
+                        why="the worker has not acked its queued directives")  # fmt: skip
 
     # -- reads ------------------------------------------------------------------------------
 

@@ -27,6 +27,7 @@ from hpd_common.worker_model import LoadReport, WorkerSpec
 from hpd_registry.domain import Directive, WorkerRecord, WorkerState
 from hpd_registry.keys import RegistryKeys
 from hpd_registry.scripts import (
+    ACK_DIRECTIVES,
     ADMIN,
     DEREGISTER,
     HEARTBEATS,
@@ -37,6 +38,10 @@ from hpd_registry.scripts import (
 )
 
 log = get_logger("registry.store")
+
+MAX_PENDING_DIRECTIVES = 256
+"""Directives queued for one worker and not yet acked; past it the oldest are dropped (and
+counted): a worker that never acks cannot grow Redis without bound."""
 
 
 def credential_hash(credential: str) -> str:
@@ -206,6 +211,7 @@ class RegistryStore:
         self._sweep = client.register_script(SWEEP)
         self._snapshot = client.register_script(SNAPSHOT)
         self._kv_events = client.register_script(KV_EVENTS)
+        self._ack_script = client.register_script(ACK_DIRECTIVES)
 
     @property
     def _keys(self) -> list[str]:
@@ -405,28 +411,34 @@ class RegistryStore:
         _, rows = res[0]
         return [decode_feed_entry(eid, fields) for eid, fields in rows]
 
-    async def push_directive(self, worker_id: str, directive: Directive) -> None:
+    async def push_directive(self, worker_id: str, directive: Directive) -> int:
+        """Queue a directive until the worker acks it; returns how many of the oldest were
+        dropped to keep the queue within ``MAX_PENDING_DIRECTIVES`` (a worker that never
+        acks must not grow Redis without bound)."""
+        key = self.keys.directives(worker_id)
         try:
             async with self.client.pipeline(transaction=True) as pipe:
-                pipe.rpush(self.keys.directives(worker_id), canonical_json(directive.to_dict()))
+                pipe.rpush(key, canonical_json(directive.to_dict()))
+                pipe.ltrim(key, -MAX_PENDING_DIRECTIVES, -1)
                 pipe.publish(self.keys.directive_channel, worker_id)
-                await pipe.execute()
+                length, *_ = await pipe.execute()
         except STORE_DOWN as exc:
             raise _unavailable(exc) from exc
+        return max(0, int(length) - MAX_PENDING_DIRECTIVES)
 
-    async def pop_directives(self, worker_id: str, count: int = 100) -> list[Directive]:
+    async def peek_directives(self, worker_id: str, count: int = 100) -> list[Directive]:
+        """The oldest ``count`` directives not yet acked, in order; they stay queued."""
         try:
-            raw = await self.client.lpop(self.keys.directives(worker_id), count)
+            raw = await self.client.lrange(self.keys.directives(worker_id), 0, count - 1)
         except STORE_DOWN as exc:
             raise _unavailable(exc) from exc
         return [Directive.from_dict(json.loads(x)) for x in (raw or [])]
 
-    async def requeue_directives(self, worker_id: str, directives: Sequence[Directive]) -> None:
-        """Puts undelivered directives back at the head, in order."""
-        if not directives:
-            return
-        payload = [canonical_json(d.to_dict()) for d in reversed(directives)]
+    async def ack_directives(self, worker_id: str, ids: Sequence[str]) -> int:
+        """Remove the directives with these ids from the worker's queue; how many went."""
+        if not ids:
+            return 0
         try:
-            await self.client.lpush(self.keys.directives(worker_id), *payload)
+            return int(await self._ack_script(keys=[self.keys.directives(worker_id)], args=ids))
         except STORE_DOWN as exc:
             raise _unavailable(exc) from exc

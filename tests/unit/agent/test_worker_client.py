@@ -99,3 +99,16 @@ async def test_stop_without_deregistering_says_nothing() -> None:
     wc = client(registry)
     await wc.stop(deregister=False)
     assert registry.calls == 0
+
+
+async def test_a_redelivered_directive_is_acked_again_and_applied_once() -> None:
+    applied: list[str] = []
+    wc = client(FakeRegistry([]))
+    wc._on_directive = lambda d: applied.append(d.directive_id)
+    d = c.Directive(directive_id="d-1", kind=c.DIRECTIVE_KIND_DRAIN, reason="x")
+    wc._apply(d)
+    assert list(wc._report(first=False).acked_directive_ids) == ["d-1"]
+    wc._apply(d)  # the ack was lost with its report: the registry sent it again
+    assert applied == ["d-1"]
+    assert list(wc._report(first=False).acked_directive_ids) == ["d-1"]
+    assert list(wc._report(first=False).acked_directive_ids) == []

@@ -54,18 +54,20 @@ class RegisterWorkerResponse(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., credential: _Optional[str] = ..., revision: _Optional[int] = ..., changed: bool = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "credential", "load", "reported_health", "health_reason")
+    __slots__ = ("worker_id", "credential", "load", "reported_health", "health_reason", "acked_directive_ids")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     REPORTED_HEALTH_FIELD_NUMBER: _ClassVar[int]
     HEALTH_REASON_FIELD_NUMBER: _ClassVar[int]
+    ACKED_DIRECTIVE_IDS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     credential: str
     load: _common_pb2.LoadReport
     reported_health: _common_pb2.HealthState
     health_reason: str
-    def __init__(self, worker_id: _Optional[str] = ..., credential: _Optional[str] = ..., load: _Optional[_Union[_common_pb2.LoadReport, _Mapping]] = ..., reported_health: _Optional[_Union[_common_pb2.HealthState, str]] = ..., health_reason: _Optional[str] = ...) -> None: ...
+    acked_directive_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_id: _Optional[str] = ..., credential: _Optional[str] = ..., load: _Optional[_Union[_common_pb2.LoadReport, _Mapping]] = ..., reported_health: _Optional[_Union[_common_pb2.HealthState, str]] = ..., health_reason: _Optional[str] = ..., acked_directive_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("lease_ttl_ms", "lease_expires_at_unix_ms", "directives", "health")
@@ -80,18 +82,20 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, lease_ttl_ms: _Optional[int] = ..., lease_expires_at_unix_ms: _Optional[int] = ..., directives: _Optional[_Iterable[_Union[_common_pb2.Directive, _Mapping]]] = ..., health: _Optional[_Union[_common_pb2.HealthState, str]] = ...) -> None: ...
 
 class StreamHeartbeatsRequest(_message.Message):
-    __slots__ = ("worker_id", "credential", "load", "reported_health", "health_reason")
+    __slots__ = ("worker_id", "credential", "load", "reported_health", "health_reason", "acked_directive_ids")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     REPORTED_HEALTH_FIELD_NUMBER: _ClassVar[int]
     HEALTH_REASON_FIELD_NUMBER: _ClassVar[int]
+    ACKED_DIRECTIVE_IDS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     credential: str
     load: _common_pb2.LoadReport
     reported_health: _common_pb2.HealthState
     health_reason: str
-    def __init__(self, worker_id: _Optional[str] = ..., credential: _Optional[str] = ..., load: _Optional[_Union[_common_pb2.LoadReport, _Mapping]] = ..., reported_health: _Optional[_Union[_common_pb2.HealthState, str]] = ..., health_reason: _Optional[str] = ...) -> None: ...
+    acked_directive_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_id: _Optional[str] = ..., credential: _Optional[str] = ..., load: _Optional[_Union[_common_pb2.LoadReport, _Mapping]] = ..., reported_health: _Optional[_Union[_common_pb2.HealthState, str]] = ..., health_reason: _Optional[str] = ..., acked_directive_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StreamHeartbeatsResponse(_message.Message):
     __slots__ = ("ack", "directive")
