@@ -1,6 +1,7 @@
-"""The fuzz stage: `hpd fuzz` against `hpd up --auth` started as a process, as its
-operator (so every call passes the token check and reaches the servicer, and the check
-itself is fuzzed along). Every RPC gets ``HPD_FUZZ_CALLS`` mutated calls (300 unless set);
+"""The fuzz stage: `hpd fuzz` against `hpd up` started as a process, with auth (as its
+operator, so every call passes the token check and reaches the servicer, and the check
+itself is fuzzed along) and without (the development setup, where identities come only
+from the messages). Every RPC gets ``HPD_FUZZ_CALLS`` mutated calls (300 unless set);
 no INTERNAL, no UNKNOWN, no hung call, and every service keeps answering its health
 check."""
 
@@ -20,14 +21,18 @@ from tests.support.processes import stop, wait_serving
 HPD = Path(sys.executable).parent / "hpd"
 
 
-@pytest.fixture(scope="module")
-def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
+@pytest.fixture(scope="module", params=["auth", "auth-off"])
+def control_plane(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[list[str]]:
+    auth = request.param == "auth"
     ports = [free_port(), free_port(), free_port()]
     log = (tmp_path_factory.mktemp("fuzz-logs") / "up.log").open("wb")
     state = tmp_path_factory.mktemp("fuzz-up")
     proc = subprocess.Popen(
         [
-            str(HPD), "up", "--auth", "--metrics-port", "0", "--state-dir", str(state),
+            str(HPD), "up", *(["--auth"] if auth else []), "--metrics-port", "0",
+            "--state-dir", str(state),
             "--registry-port", str(ports[0]), "--scheduler-port", str(ports[1]),
             "--kvbroker-port", str(ports[2]),
         ],
@@ -36,11 +41,12 @@ def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str
     addrs = [f"127.0.0.1:{p}" for p in ports]
     try:
         wait_serving(addrs, proc, 60)
-        token = subprocess.run(
-            [str(HPD), "token", "operator", "--state-dir", str(state)],
-            capture_output=True, text=True, check=True,
-        ).stdout.strip()  # fmt: skip
-        os.environ["HPD_TOKEN"] = token  # the fuzz runs below inherit it
+        if auth:
+            token = subprocess.run(
+                [str(HPD), "token", "operator", "--state-dir", str(state)],
+                capture_output=True, text=True, check=True,
+            ).stdout.strip()  # fmt: skip
+            os.environ["HPD_TOKEN"] = token  # the fuzz runs below inherit it
         yield addrs
     finally:
         os.environ.pop("HPD_TOKEN", None)

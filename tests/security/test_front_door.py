@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import stat
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -286,3 +289,18 @@ async def test_every_error_of_the_public_port_is_openai_shaped(rig: Rig) -> None
         assert resp.status in (404, 405)
         body = await resp.json()
     assert "error" in body
+
+
+def test_gateway_key_adds_a_hashed_key_the_gateway_accepts(tmp_path: Path) -> None:
+    path = tmp_path / "keys.yaml"
+    hpd = Path(sys.executable).parent / "hpd"
+    done = subprocess.run(
+        [str(hpd), "gateway-key", "--file", str(path), "--tenant", "acme", "--tier", "standard",
+         "--requests-per-s", "5"],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    key = done.stdout.strip()
+    assert key and key not in path.read_text()  # only its hash is stored
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    found = ApiKeys.load(path).lookup(key)
+    assert found is not None and found.tenant == "acme" and found.tier == "standard"

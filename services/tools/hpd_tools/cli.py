@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "kvbroker": ("hpd_kvbroker.__main__", "run the KV broker service"),
     "agent": ("hpd_agent.__main__", "attach one running engine (vLLM, SGLang) to the fleet"),
     "gateway": ("hpd_gateway.__main__", "the OpenAI-compatible front door over the engines"),
+    "gateway-key": ("hpd_gateway.keytool", "make a client's API key for the gateway's keys file"),
     "sim": ("hpd_sim.cli", "simulate a cluster under scheduling policies"),
     "workers": ("hpd_tools.tables.registry", "print the workers of a running registry"),
     "pools": ("hpd_tools.tables.registry", "print the pools of a running registry"),
