@@ -253,7 +253,7 @@ async def throughput_pass(
 async def gateway_counts(stack: RealStack) -> dict[str, dict[str, float]]:
     """The gateway's requests so far by hand-off mode used (``hpd_gateway_requests``) and
     its fallback steps by the failed step's cause (``hpd_gateway_fallbacks``)."""
-    async with aiohttp.ClientSession() as http, http.get(stack.gateway_url + "/metrics") as resp:
+    async with aiohttp.ClientSession() as http, http.get(stack.gateway_metrics_url) as resp:
         text = await resp.text()
     wanted = {
         "hpd_gateway_requests": ("modes", "mode"),

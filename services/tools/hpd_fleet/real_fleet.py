@@ -257,6 +257,7 @@ class FleetStack:
     control_plane: subprocess.Popen[bytes] | None = None
     router: subprocess.Popen[bytes] | None = None
     gateway_url: str = ""
+    gateway_metrics_url: str = ""  # the gateway's /metrics listener (not its public port)
     router_url: str = ""
     addrs: dict[str, str] = field(default_factory=dict)
     venv: Path = Path()
@@ -337,11 +338,12 @@ class FleetStack:
         self.procs.append(agent)
 
     def _start_gateway(self) -> None:
-        port = pick_port()
+        port, mport = pick_port(), pick_port()
         gateway = AgentProcess(
             "gateway",
             [
-                "--port", str(port), "--scheduler", self.addrs["scheduler"],
+                "--port", str(port), "--metrics-port", str(mport),
+                "--scheduler", self.addrs["scheduler"],
                 "--broker", self.addrs["kvbroker"], "--registry", self.addrs["registry"],
                 "--tokenizer", f"tiny={self.model_dir}", "--log-level", self.log_level,
             ],
@@ -351,6 +353,7 @@ class FleetStack:
         gateway.start()
         self.procs.append(gateway)
         self.gateway_url = f"http://127.0.0.1:{port}"
+        self.gateway_metrics_url = f"http://127.0.0.1:{mport}/metrics"
         wait_http(self.gateway_url + "/health", 60)
         deadline = time.monotonic() + 90
         while len(http_json(self.gateway_url + "/v1/models")["data"]) == 0:
