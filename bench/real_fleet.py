@@ -33,13 +33,13 @@ Steps:
 4. **Warm-up** (``WARMUP_PER_ENGINE`` x engines requests through the gateway at a third of
    the capacity): the scheduler's learner needs a few outcomes per engine before it plans
    by measured speeds; these requests count in no figure.
-5. **Offered rates spanning the capacity**: ``RATES`` x the measured capacity (``--quick``:
-   ``QUICK_RATES``). They reach 4.5x because a closed loop understates what an open one is
-   served: the default fleet served 2.4x its closed-loop figure with every one of our
-   requests and 95 % of the best router policy's in SLO (its engines batch the decodes of
-   requests that arrive independently). At each rate every arm serves the same requests
-   (same lengths and arrival times); the arms' order alternates per rate, and the engines
-   drain between points.
+5. **Offered rates past the peak**: a geometric ladder from the measured capacity
+   (``RATES``; ``--quick``: ``QUICK_RATES``), climbed until the better arm's goodput falls
+   (the peak is passed) or the ladder ends: a closed loop understates what an open one is
+   served (the default fleet served 3.5x its closed-loop figure with every one of our
+   requests in SLO; its engines batch the decodes of requests that arrive independently).
+   At each rate every arm serves the same requests (same lengths and arrival times); the
+   arms' order alternates per rate, and the engines drain between points.
    Open loop: a refusal (the gateway's 429) is not retried and counts as a miss.
 
 Figures (``--json``, one object):
@@ -108,8 +108,14 @@ TTFT_SLO_X = 4.0
 TPOT_SLO_X = 3.0
 MAX_OUTPUT = 48
 WARMUP_PER_ENGINE = 8
-RATES = (0.75, 1.5, 2.25, 3.0, 3.75, 4.5)
-QUICK_RATES = (1.5, 3.5)
+RATES = (0.75, 1.5, 8)
+QUICK_RATES = (1.5, 1.8, 4)
+"""(first, growth, most): offered rates ``first x growth^k`` x the measured capacity, rising
+until the better arm's goodput at a rate falls below what it reached at the rate before (the
+peak is passed: the headline is taken at the peak) or ``most`` rates have run. No rate is
+fixed in advance because no capacity figure measured beforehand says where an open loop's
+peak is: the default fleet kept every request of ours in SLO at 3.5x its closed-loop
+capacity (its engines batch independent arrivals' decodes)."""
 POLICIES = ("round_robin", "power_of_two", "cache_aware", "random", "consistent_hash",
             "sticky_least_loaded")  # fmt: skip
 QUICK_POLICIES = ("round_robin", "power_of_two", "cache_aware")
@@ -322,6 +328,42 @@ def headline(points: list[dict[str, Any]]) -> dict[str, Any]:
 # -- the run ------------------------------------------------------------------------------
 
 
+async def run_rate(
+    stack: FleetStack,
+    at: tuple[int, float, float],
+    jobs: list[Job],
+    arms: list[str],
+    how: tuple[str, dict[str, str], float, dict[str, float]],
+) -> list[dict[str, Any]]:
+    """Every arm at rate number ``k`` (``x`` times ``capacity``), the same requests each, in
+    an order that alternates per rate; the engines drain between arms. A row per arm (with
+    its request ids under ``rids``)."""
+    k, x, capacity = at
+    tag, tier, window, slo = how
+    rate = x * capacity
+    rows = []
+    for arm in arms if k % 2 == 0 else list(reversed(arms)):
+        url = stack.gateway_url
+        if arm != "hetero-pd":
+            url = stack.start_router(arm.split(":", 1)[1])
+        before = await engine_counts(stack)
+        pt = Point(arm, rate, window_s=window)
+        mine = for_arm(jobs, arms.index(arm))
+        pt.results = await run_point(url, mine, arm.replace(":", "-"), f"{tag}-{k}",
+                                     tier if arm == "hetero-pd" else {})  # fmt: skip
+        stack.stop_router()
+        await drained(stack)
+        after = await engine_counts(stack)
+        pt.engines = {e: after[e] - before.get(e, 0.0) for e in after}
+        row = summary(pt, slo)
+        rows.append({**row, "rids": [r.rid for r in pt.results]})
+        print(f"  {x:.2f}x = {rate:.2f} req/s  {arm:<32} goodput {row['goodput_rps']:.2f}/s "
+              f"att {row['attainment']:.2f} refused {row['refused']} "
+              f"TTFT p90 {row['ttft_ms']['p90']} ms  engines {row['engines']}",
+              file=sys.stderr)  # fmt: skip
+    return rows
+
+
 async def measure(stack: FleetStack, args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
     quick = args.quick
@@ -342,38 +384,28 @@ async def measure(stack: FleetStack, args: argparse.Namespace) -> dict[str, Any]
     await run_point(stack.gateway_url, warm, "warmup", tag, tier)
     await drained(stack)
     window = 20.0 if quick else 40.0
-    rates = QUICK_RATES if quick else RATES
+    first, growth, most = QUICK_RATES if quick else RATES
     policies = QUICK_POLICIES if quick else POLICIES
     arms = ["hetero-pd", *(f"vllm-router:{p}" for p in policies)]
     points: list[dict[str, Any]] = []
     ours_rids: list[str] = []
     jobs_by_rate: list[list[Job]] = []
-    for k, x in enumerate(rates):
-        rate = x * capacity
-        jobs = jobs_at(rate, window, mix, args.seed + 100 + k)
+    rates: list[float] = []
+    best_before = 0.0
+    for k in range(int(most)):
+        x = first * growth**k
+        rates.append(x)
+        jobs = jobs_at(x * capacity, window, mix, args.seed + 100 + k)
         jobs_by_rate.append(jobs)
-        order = arms if k % 2 == 0 else list(reversed(arms))
-        for arm in order:
-            url = stack.gateway_url
-            if arm != "hetero-pd":
-                url = stack.start_router(arm.split(":", 1)[1])
-            before = await engine_counts(stack)
-            pt = Point(arm, rate, window_s=window)
-            mine = for_arm(jobs, arms.index(arm))
-            pt.results = await run_point(url, mine, arm.replace(":", "-"), f"{tag}-{k}",
-                                         tier if arm == "hetero-pd" else {})  # fmt: skip
-            stack.stop_router()
-            await drained(stack)
-            after = await engine_counts(stack)
-            pt.engines = {e: after[e] - before.get(e, 0.0) for e in after}
-            row = summary(pt, slo)
-            points.append(row)
-            if arm == "hetero-pd":
-                ours_rids += [r.rid for r in pt.results]
-            print(f"  {x:.2f}x = {rate:.2f} req/s  {arm:<32} goodput {row['goodput_rps']:.2f}/s "
-                  f"att {row['attainment']:.2f} refused {row['refused']} "
-                  f"TTFT p90 {row['ttft_ms']['p90']} ms  engines {row['engines']}",
-                  file=sys.stderr)  # fmt: skip
+        rows = await run_rate(stack, (k, x, capacity), jobs, arms, (tag, tier, window, slo))
+        points += rows
+        ours_rids += [rid for row in rows if row["arm"] == "hetero-pd" for rid in row["rids"]]
+        best = max(row["goodput_rps"] for row in rows)
+        if best < best_before:
+            break  # the peak is passed
+        best_before = best
+    for row in points:
+        row.pop("rids", None)
     if args.dump is not None:
         with args.dump.open("w") as f:
             ratios = estimate_ratios(stack, ours_rids, f)
@@ -381,7 +413,7 @@ async def measure(stack: FleetStack, args: argparse.Namespace) -> dict[str, Any]
         ratios = estimate_ratios(stack, ours_rids)
     overall = error_figures(ratios)
     by_rate = {
-        f"{x:g}x": error_figures([r for r in ratios if r[0].startswith(f"{tag}-{k}-")])
+        f"{x:.3g}x": error_figures([r for r in ratios if r[0].startswith(f"{tag}-{k}-")])
         for k, x in enumerate(rates)
     }
     sim = sim_versus_real(stack, unloaded, points, jobs_by_rate, window, slo, profile_yaml)
@@ -442,7 +474,11 @@ def main(argv: list[str] | None = None) -> int:
         description="hetero-pd against vllm-router on a real unequal fleet (real engines)",
         epilog="Needs the engines' virtualenv (scripts/engines-venv.sh) and root for CPU quotas.",
     )
-    ap.add_argument("--quick", action="store_true", help="two rates, three policies, 20 s each")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="three policies, 20 s per point, at most three rates (QUICK_RATES)",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--fleet", type=Path, default=DEFAULT_FLEET, help="fleet file (YAML)")
     ap.add_argument(
