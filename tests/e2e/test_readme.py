@@ -46,6 +46,9 @@ ELSEWHERE = {
     "tests/e2e/test_up_auth.py runs these commands against `hpd up --auth`",
     ".venv/bin/hpd gateway --port 8000": "needs engines that speak HTTP: "
     "tests/real_engine/test_gateway.py runs the gateway in front of real vLLM engines",
+    ".venv/bin/hpd gateway-key --file keys.yaml": "makes a key, then runs a keyed gateway on "
+    "a certificate: tests/security/test_front_door.py runs `hpd gateway-key` and a keyed "
+    "front door; tests/real_engine/test_front_door.py a keyed gateway over real engines",
     ".venv/bin/python bench/goodput.py --suite": "minutes of simulation (a benchmark, not a "
     "test): tests/unit/sim/test_suite.py runs one cell of the same matrix",
 }
