@@ -67,8 +67,9 @@ def test_keys_tiers_and_context_over_real_engines(pd_pair: RealFleet, keyed_gate
     assert status == 403 and answer["error"]["code"] == "tier_not_allowed"
     status, answer = post(keyed_gateway, body, auth)
     assert status == 200 and answer["choices"][0]["text"] is not None
-    # the engine states max_model_len 1,024 (its agent registers it): refused before planning
-    status, answer = post(keyed_gateway, {**body, "max_tokens": 5000}, auth)
+    # the engine states max_model_len 1,024 (its agent registers it): a prompt of about 1,500
+    # tokens is refused before planning
+    status, answer = post(keyed_gateway, {**body, "prompt": fresh_prompt(300)}, auth)
     assert status == 400 and answer["error"]["code"] == "context_length_exceeded", answer
     status, answer = post(keyed_gateway, b'{"model": "tiny", "prompt": "a \\ud800"}', auth)
     assert status == 400 and answer["error"]["param"] == "prompt"

@@ -200,16 +200,15 @@ class Gateway:
         )  # fmt: skip
 
     def _output_tokens(self, req: ClientRequest, prompt_tokens: int) -> int:
-        """The output tokens to plan for: the client's ``max_tokens``, else the default, and
-        no more than the model's context leaves (400 when the request cannot fit: the
-        engine would refuse it after its KV had been reserved)."""
+        """The output tokens to plan (and reserve KV) for: the client's ``max_tokens``, else
+        the default, clamped to what the model's context leaves after the prompt, as vLLM
+        clamps the generation; 400 when the prompt alone fills the context (the engine
+        would refuse it after its KV had been reserved)."""
         ctx = self.control.context_tokens(req.model)
-        if ctx and prompt_tokens + (req.max_tokens or 1) > ctx:
-            asked = f" + max_tokens {req.max_tokens}" if req.max_tokens else ""
+        if ctx and prompt_tokens >= ctx:
             raise GatewayError(
-                400, f"the prompt's {prompt_tokens} tokens{asked} exceed the model's context of "
-                f"{ctx} tokens", param="max_tokens" if req.max_tokens else "prompt",
-                code="context_length_exceeded",
+                400, f"the prompt's {prompt_tokens} tokens leave no room in the model's "
+                f"context of {ctx} tokens", param="prompt", code="context_length_exceeded",
             )  # fmt: skip
         out = req.max_tokens or self.config.default_output_tokens
         return min(out, ctx - prompt_tokens) if ctx else out
