@@ -31,7 +31,11 @@ step "real_engine tests (logs in $LOGS)"
 status=0
 # CPU-quota cgroups (hpd_fleet.cgroups) are removed with their engines; a run that is
 # killed leaves them, so they are removed here at the end, whatever happened
-cleanup() { .venv/bin/python -m hpd_fleet.real clean --all >/dev/null 2>&1 || true; }
+# and every process of this run still alive (they inherit HPD_REAL_LOG_DIR): an engine a
+# failed test lost track of must not spin a core into the next stage
+cleanup() {
+  .venv/bin/python -m hpd_fleet.real clean --all --reap "HPD_REAL_LOG_DIR=$LOGS" || true
+}
 trap cleanup EXIT
 cleanup
 # the session fixture starts the engines inside the first test's time limit: allow for it

@@ -205,6 +205,9 @@ def _lifecycle(real: RealFleet, worker_id: str, last: int = 8) -> list[str]:
 
 
 def _restart_decode(real: RealFleet) -> None:
+    proc = real.engines["decode"].proc
+    if proc is not None and proc.poll() is None:
+        return  # the test failed before it killed the engine: nothing to restart
     real.engines["decode"].start()
     real.engines["decode"].wait_ready()
     real.wait_worker("d0", timeout_s=60)

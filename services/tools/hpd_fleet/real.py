@@ -10,6 +10,7 @@ probes). Nothing here imports an engine: vLLM is reached as processes, over HTTP
     python -m hpd_fleet.real venv           # install (or find) the engines' virtualenv
     python -m hpd_fleet.real model DIR      # write the tiny model folder
     python -m hpd_fleet.real clean [--all]  # remove CPU-quota cgroups of runs that are gone
+    python -m hpd_fleet.real clean --reap HPD_REAL_LOG_DIR=/tmp/x  # and a run's processes
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 from hpd_fleet.cgroups import remove_stale
 from hpd_fleet.real_fleet import EngineEntry, FleetFile, FleetStack
 from hpd_fleet.real_install import engines_venv, write_tiny_model
+from hpd_fleet.real_processes import reap
 
 __all__ = ["PD_PAIR", "RealStack", "main"]
 
@@ -36,11 +38,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         "clean", help="remove CPU-quota cgroups left by runs that are gone (and their engines)"
     )
     c.add_argument("--all", action="store_true", help="every one of this project's groups")
+    c.add_argument(
+        "--reap",
+        default="",
+        metavar="NAME=VALUE",
+        help="also kill every process whose environment holds NAME=VALUE (what a run exported"
+        " for everything it started: engines, agents, routers), whatever became of its parent",
+    )
     m = sub.add_parser("model", help="write the tiny model folder; print its path")
     m.add_argument("out_dir", type=Path)
     m.add_argument("--revision", default="tiny-r1")
     args = ap.parse_args(argv)
     if args.cmd == "clean":
+        if args.reap:
+            print(f"killed {reap(args.reap)} process(es) of the run")
         print(f"removed {remove_stale(every=args.all)} cgroup(s)")
         return 0
     venv = engines_venv(getattr(sys, "_base_executable", sys.executable))

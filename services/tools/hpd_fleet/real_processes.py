@@ -171,6 +171,10 @@ class EngineProcess:
         return f"tcp://127.0.0.1:{self.spec.kv_replay_port}" if self.spec.kv_replay_port else ""
 
     def start(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            raise RuntimeError(
+                f"engine {self.spec.name} is still running (pid {self.proc.pid}): stop it first"
+            )
         s = self.spec
         cpus = s.cpus or str(s.core)
         env = {
@@ -394,3 +398,32 @@ def wait_http(url: str, timeout_s: float) -> None:
             pass
         time.sleep(0.2)
     raise TimeoutError(f"{url} did not answer 200 in {timeout_s:.0f} s")
+
+
+def reap(tag: str) -> int:
+    """SIGKILL every process (and its group) whose environment holds ``tag`` (``NAME=VALUE``),
+    except this one and its ancestors: what a run started and lost track of (an engine a
+    failed test restarted over a live one). Returns how many were killed."""
+    own = {os.getpid()}
+    pid = os.getpid()
+    while pid > 1:  # our ancestors carry the tag too (the script that exported it)
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            pid = int(fields[1])
+        except (OSError, ValueError, IndexError):
+            break
+        own.add(pid)
+    want = tag.encode()
+    killed = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) in own:
+            continue
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if want in env:
+            with contextlib.suppress(OSError):
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed += 1
+    return killed
