@@ -51,7 +51,7 @@ Figures (``--json``, one object):
   ``|actual / predicted - 1|`` of the route records' outcome TTFT over the plan's estimate,
   over every gateway request after the warm-up that completed;
 * ``sim_vs_real_goodput`` (target 0.8-1.25): ``hpd sim``'s goodput on the same fleet
-  (a cluster written from the learned figures, ``bench/real_fleet_sim.py``) and the same
+  (a cluster written from the learned figures, ``hpd_fleet.fleet_sim``) and the same
   requests, over the goodput measured, at the rate where ours peaked (``sim``: both sides);
 * ``points``: per arm and rate, goodput, attainment, refused, TTFT and TPOT percentiles,
   and the engines used; ``slo``, ``capacity_rps``, ``unloaded``.

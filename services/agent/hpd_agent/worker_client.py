@@ -30,7 +30,6 @@ Time and randomness are injected: ``clock`` stamps load reports (``reported_at_u
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -44,6 +43,7 @@ from hetero_pd.v1 import kvbroker_pb2 as kb
 from hetero_pd.v1 import kvbroker_pb2_grpc as kb_grpc
 from hetero_pd.v1 import registry_pb2 as r
 from hetero_pd.v1 import registry_pb2_grpc as r_grpc
+from hpd_agent.directive_acks import DirectiveAcks
 from hpd_common.clock import Clock
 from hpd_common.logging import get_logger
 from hpd_common.worker_model import LoadReport
@@ -119,10 +119,6 @@ class ClientTiming:
         return float(base * (0.5 + 0.5 * rng.random()))
 
 
-MAX_ACKS_PER_REPORT = 256  # what the registry takes in one report
-TAKEN_IDS_KEPT = 4096  # more than a worker's queue holds (the registry's cap is 256)
-
-
 class WorkerClient:
     """One worker's connection to the control plane (module docstring).
 
@@ -160,10 +156,7 @@ class WorkerClient:
         self.registrations = 0
         self.reconnects = 0
         self.directives: list[c.Directive] = []
-        # delivery is at least once: ids taken (bounded, oldest forgotten first) so a
-        # redelivered directive is acked again but applied once; ids to ack in the next report
-        self._taken: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self._to_ack: list[str] = []
+        self._acks = DirectiveAcks()  # at least once: acked by id, applied once
         self._health = c.HEALTH_STATE_HEALTHY
         self._health_reason = ""
         self._task: asyncio.Task[None] | None = None
@@ -268,9 +261,8 @@ class WorkerClient:
             credential=self.credential if first else "",
             reported_health=self._health,
             health_reason=self._health_reason,
-            acked_directive_ids=self._to_ack[:MAX_ACKS_PER_REPORT],
+            acked_directive_ids=self._acks.due(),
         )
-        del self._to_ack[:MAX_ACKS_PER_REPORT]  # a lost report: the registry sends them again
         if figures is not None:  # None: alive, no figures worth sending (renews the lease)
             msg.load.CopyFrom(load_to_pb(figures))
             msg.load.reported_at_unix_ms = self._clock.now_ms()
@@ -313,13 +305,8 @@ class WorkerClient:
             attempt += 1
 
     def _apply(self, d: c.Directive) -> None:
-        if d.directive_id:
-            self._to_ack.append(d.directive_id)
-            if d.directive_id in self._taken:
-                return  # redelivered: its ack was lost; acked again, not applied again
-            self._taken[d.directive_id] = None
-            if len(self._taken) > TAKEN_IDS_KEPT:
-                self._taken.popitem(last=False)
+        if not self._acks.take(d.directive_id):
+            return  # redelivered: its ack was lost; acked again, not applied again
         self.directives.append(d)
         log.info(
             "directive_received",

@@ -28,7 +28,7 @@ import hmac
 import math
 import secrets
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +83,7 @@ class ApiKey:
     max_concurrent: int = 0
     requests: TokenBucket | None = None
     tokens: TokenBucket | None = None
-    in_flight: int = field(default=0)
+    in_flight: int = 0
 
     def tier_for(self, asked: str) -> str:
         """The tier of a request that asked for ``asked`` ('' = none): 403 outside its own."""

@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from hetero_pd.v1 import common_pb2 as c
+from hpd_agent.directive_acks import MAX_ACKS_PER_REPORT, DirectiveAcks
 from hpd_agent.worker_client import ClientTiming, WorkerClient
 from hpd_common.clock import SystemClock
 
@@ -112,3 +113,15 @@ async def test_a_redelivered_directive_is_acked_again_and_applied_once() -> None
     assert applied == ["d-1"]
     assert list(wc._report(first=False).acked_directive_ids) == ["d-1"]
     assert list(wc._report(first=False).acked_directive_ids) == []
+
+
+def test_acks_are_handed_out_once_and_bounded_per_report() -> None:
+    acks = DirectiveAcks()
+    assert all(acks.take(f"d-{i}") for i in range(MAX_ACKS_PER_REPORT + 3))
+    assert not acks.take("d-0")  # a redelivery: acked again, not new
+    first = acks.due()
+    assert len(first) == MAX_ACKS_PER_REPORT and first[0] == "d-0"
+    assert acks.due() == ["d-256", "d-257", "d-258", "d-0"]
+    assert acks.due() == []
+    assert acks.take("")  # no id: always new, nothing to ack
+    assert acks.due() == []
