@@ -97,7 +97,11 @@ async def test_replicas_plan_a_slow_worker_at_the_speed_either_one_measured(
         out, err = await shown.communicate()
         assert shown.returncode == 0, err
         line = next(x for x in out.decode().splitlines() if x.startswith(wid))
-        assert f"+ {learned_a.scale:.3g}x declared ({learned_a.samples})" in line, out
+        shown_as = (
+            f"+ {learned_a.scale:.3g}x declared, {learned_a.queue_share:.2g} queued "
+            f"({learned_a.samples})"
+        )
+        assert shown_as in line, out
         ratio = REGISTRY.get_sample_value(
             "hpd_scheduler_ttft_estimate_ratio_count", {"worker": wid, "tier": "standard"}
         )

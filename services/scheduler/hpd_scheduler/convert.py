@@ -326,6 +326,7 @@ def recommendations_to_pb(recs: Recommendations) -> s.GetRecommendationsResponse
                 learned_prefill_fixed_ms=w.learned.fixed_ms if w.learned else 0.0,
                 learned_prefill_scale=w.learned.scale if w.learned else 0.0,
                 learned_prefill_samples=w.learned.samples if w.learned else 0,
+                learned_prefill_queue_share=w.learned.queue_share if w.learned else 0.0,
             )
         )
     for src, dst, gbps, n in recs.links:

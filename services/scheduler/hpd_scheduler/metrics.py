@@ -62,6 +62,12 @@ LEARNED_PREFILL_SCALE = Gauge(
     "A worker's learned prefill compute time over its declared one (1 = as declared).",
     ["worker"],
 )
+LEARNED_PREFILL_QUEUE_SHARE = Gauge(
+    "hpd_scheduler_learned_prefill_queue_share",
+    "The share of a request's fixed prefill cost each request queued ahead adds (1 = one "
+    "request at a time; less: the engine batches prefills).",
+    ["worker"],
+)
 
 
 def export_learned(fits: Mapping[str, Any]) -> None:
@@ -70,3 +76,4 @@ def export_learned(fits: Mapping[str, Any]) -> None:
         if key.startswith("p:"):
             LEARNED_PREFILL_FIXED_MS.labels(worker=key[2:]).set(f.fixed_ms)
             LEARNED_PREFILL_SCALE.labels(worker=key[2:]).set(f.scale)
+            LEARNED_PREFILL_QUEUE_SHARE.labels(worker=key[2:]).set(f.queue_share)

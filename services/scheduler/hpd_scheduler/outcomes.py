@@ -11,7 +11,7 @@ from hpd_common.errors import NotFound, PermissionDenied, Unavailable
 from hpd_common.logging import get_logger
 from hpd_scheduler import metrics
 from hpd_scheduler.feedback import observation_from
-from hpd_scheduler.policy.learning import samples_from
+from hpd_scheduler.policy.learning import prefill_key, samples_from
 from hpd_scheduler.snapshot import FleetSnapshot
 from hpd_scheduler.store import Totals
 
@@ -87,7 +87,8 @@ class OutcomeReports(FleetSnapshot):
         learner = self.observed.learner
         for key, sample in got:
             learner.add(key, sample, sample.inc)
-            metrics.export_learned({key: f} if (f := learner.fits.get(key)) else {})
+            fitted = prefill_key(key[2:])  # a queued sample moves its worker's fit too
+            metrics.export_learned({fitted: f} if (f := learner.fits.get(fitted)) else {})
         if got:
             self._changed.set()
             try:

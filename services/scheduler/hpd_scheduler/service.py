@@ -414,7 +414,7 @@ class SchedulerService(PolicyAndDirectives, OutcomeReports, RouteRecords, Schedu
             f"prefill_speed:{wid}:declared"
             if got is None
             else f"prefill_speed:{wid}:{how}:fixed_ms={got.fixed_ms:.1f}"
-            f":scale={got.scale:.3g}:samples={got.samples}"
+            f":scale={got.scale:.3g}:queue_share={got.queue_share:.2f}:samples={got.samples}"
         )
 
     def _background(self, coro: Coroutine[Any, Any, None]) -> None:

@@ -83,6 +83,32 @@ def test_a_plan_carries_the_nominal_terms_of_its_prefill() -> None:
     )
 
 
+@pytest.mark.parametrize("share", [0.0, 0.35, 1.0])
+def test_a_queue_is_priced_at_its_learned_share_of_the_fixed_cost(share: float) -> None:
+    """An engine that batches prefills: each request queued ahead adds ``share`` of a
+    request's fixed cost; the plan's terms still recover the declared model's time."""
+    learned = LearnedSpeed(fixed_ms=40.0, scale=10.0, samples=8, queue_share=share)
+    fleet = _fleet(learned, fast=learned)
+    for wid in ("p-fast", "p-slow", "d"):
+        fleet.reserve(wid, 0, 4000, 0)
+    ws = fleet.worker("p-fast")
+    assert ws is not None
+    ahead = 4000 / fleet.ref_tokens
+    compute = 4000 / ws.cap.prefill_tps * 1000.0 * 10.0  # the queued tokens at the learned scale
+    assert ws.prefill_wait_ms() == pytest.approx(compute + 40.0 * share * ahead, rel=1e-6)
+    d = Planner(DEFAULT).plan(request(1500, 64, "batch"), fleet, NOW, random.Random(0))
+    assert d.plan is not None
+    e = d.plan.estimates
+    assert e.prefill_wait_ms + e.prefill_ms == pytest.approx(
+        10.0 * e.prefill_nominal_ms + 40.0 * (1.0 + share * ahead), rel=1e-6
+    )
+
+
+def test_a_learned_share_outside_its_bounds_is_refused() -> None:
+    with pytest.raises(Exception, match="queue_share"):
+        LearnedSpeed(fixed_ms=1.0, scale=1.0, samples=1, queue_share=1.5)
+
+
 def test_a_decode_worker_labelled_never_to_prefill_gets_transfers_however_slow() -> None:
     """``local-prefill=never``: measured, the link is slower than the decode worker
     recomputing (a 200 ms hand-off), so the planner would recompute; the operator's label

@@ -17,6 +17,7 @@ from hpd_scheduler.policy.learning import (
     SpeedLearner,
     fit,
     prefill_key,
+    queue_key,
     samples_from,
 )
 
@@ -163,9 +164,11 @@ def test_an_outcome_teaches_the_engines_own_prefill_phase() -> None:
     assert samples_from(plan, local, 1_000, {"p0": 500}, 2_000) == []
     # nor an outcome without the engine's own time (a TTFT holds the gateway's too)
     assert samples_from(plan, {**outcome, "prefill_ms": 0.0}, 1_000, {"p0": 500}, 0) == []
-    # a plan that saw a queue measures the planner's queue model, not the engine: no sample
+    # a plan that saw a queue goes to the queue's own samples (it teaches the queue share,
+    # never the engine's speed)
     queued = {**plan, "estimates": {**base_est, "prefill_ahead": 2.0}}
-    assert samples_from(queued, outcome, 1_000, {"p0": 500}, 0) == []
+    got = dict(samples_from(queued, outcome, 1_000, {"p0": 500}, 0))
+    assert got == {queue_key("p0"): Sample(2.0, 2.0, 120.0, 500, 0)}
     # served whole on one worker: its time to the first token, less the decode admission
     # wait the plan predicted (the planner's term, not the prefill's)
     est = {**base_est, "prefill_wait_ms": 10.0, "prefill_ms": 30.0, "ttft_ms": 90.0}
@@ -197,3 +200,92 @@ def test_a_right_skewed_spread_is_fitted_through_its_middle_not_its_short_end() 
         _truth(s.x, s.ahead) * rng.lognormvariate(0.0, 0.5) / f.predict(s.x, s.ahead) for s in fresh
     )
     assert 0.85 < ratios[len(ratios) // 2] < 1.2
+
+
+def _queued(n: int, rng: random.Random, share: float, inc: int = 7) -> list[Sample]:
+    """Samples with 1-6 requests ahead on an engine whose queued requests each add ``share``
+    of the fixed cost (5 % noise)."""
+    out = []
+    for _ in range(n):
+        x, ahead = rng.uniform(0.5, 8.0), float(rng.randint(1, 6))
+        y = TRUE_SCALE * x + TRUE_FIXED_MS * (1.0 + share * ahead)
+        out.append(Sample(x, ahead, y * rng.gauss(1.0, 0.05), inc))
+    return out
+
+
+@pytest.mark.parametrize("share", [0.0, 0.3, 1.0])
+def test_the_queue_is_priced_at_the_share_of_fixed_cost_a_queued_request_really_adds(
+    share: float,
+) -> None:
+    """An engine that batches prefills pays a step's fixed cost for several queued
+    requests: the queued samples teach how much, and the planner's figure carries it."""
+    rng = random.Random(11)
+    learner = SpeedLearner()
+    for s in _draws(12, rng):
+        y = _truth(s.x, 0.0) * rng.gauss(1, 0.05)
+        learner.add(prefill_key("p0"), Sample(s.x, 0.0, y, 7), 7)
+    before = learner.prefill("p0")
+    assert before is not None and before.queue_share == 1.0  # no queued sample: full price
+    for i, s in enumerate(_queued(3 * WINDOW, rng, share)):
+        learner.add(queue_key("p0"), s, 7)
+        if i == MIN_SAMPLES - 2:  # still too few queued samples: full price
+            assert learner.prefill("p0") == before
+    got = learner.prefill("p0")
+    assert got is not None
+    assert got.queue_share == pytest.approx(share, abs=0.12)
+    # a busy worker's queued samples never push out the ones its speed rests on
+    assert got.samples == 12
+    assert got.fixed_ms == pytest.approx(before.fixed_ms) and got.scale == before.scale
+    fitted = learner.fits[prefill_key("p0")]
+    assert fitted.queued == WINDOW
+    for x, ahead in ((1.0, 2.0), (6.0, 5.0)):
+        truth = TRUE_SCALE * x + TRUE_FIXED_MS * (1.0 + share * ahead)
+        assert _rel_err(fitted.predict(x, ahead), truth) < 0.1
+
+
+def test_the_queue_share_stays_within_its_bounds_and_stalls_do_not_move_it() -> None:
+    rng = random.Random(12)
+    learner = SpeedLearner()
+    for s in _draws(12, rng):
+        learner.add(prefill_key("p0"), Sample(s.x, 0.0, _truth(s.x, 0.0), 7), 7)
+    # a queue the planner overestimated: the requests came back sooner than the unqueued
+    # fit of their own work: the share is 0, never negative (no time is given back)
+    for s in _queued(8, rng, 0.0):
+        learner.add(queue_key("p0"), Sample(s.x, s.ahead, 0.5 * s.y, 7), 7)
+    got = learner.prefill("p0")
+    assert got is not None and got.queue_share == 0.0
+    # a queue underestimated: never more than each queued request's whole fixed cost
+    for s in _queued(WINDOW, rng, 1.0):
+        learner.add(queue_key("p0"), Sample(s.x, s.ahead, 3.0 * s.y, 7), 7)
+    got = learner.prefill("p0")
+    assert got is not None and got.queue_share == 1.0
+    # a quarter of stalls (10x) among a batching engine's samples: the median holds
+    mixed = _queued(WINDOW, rng, 0.25)
+    for i, s in enumerate(mixed):
+        y = s.y * 10.0 if i % 4 == 0 else s.y
+        learner.add(queue_key("p0"), Sample(s.x, s.ahead, y, 7), 7)
+    got = learner.prefill("p0")
+    assert got is not None and got.queue_share < 0.6
+
+
+def test_replicas_and_restarts_treat_queued_samples_as_the_rest() -> None:
+    rng = random.Random(13)
+    stored = {
+        prefill_key("p0"): [Sample(s.x, 0.0, _truth(s.x, 0.0), 7) for s in _draws(10, rng)],
+        queue_key("p0"): _queued(10, rng, 0.4),
+    }
+    a, b = SpeedLearner(), SpeedLearner()
+    a.replace(stored, {"p0": 7})
+    b.replace(dict(reversed(stored.items())), {"p0": 7})
+    assert a.fits == b.fits
+    got = a.prefill("p0")
+    assert got is not None and got.queue_share == pytest.approx(0.4, abs=0.12)
+    # a new engine: the old one's queued samples no longer price its queue
+    for s in _draws(MIN_SAMPLES, rng):
+        a.add(prefill_key("p0"), Sample(s.x, 0.0, _truth(s.x, 0.0), 9), 9)
+    a.forget_incarnation("p0", 9)
+    again = a.prefill("p0")
+    assert again is not None and again.queue_share == 1.0
+    # the prior carries the share of the measured peers
+    prior = a.prior(["p0", "new"])
+    assert prior is not None and prior.queue_share == again.queue_share

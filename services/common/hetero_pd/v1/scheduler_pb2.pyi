@@ -443,7 +443,7 @@ class BatchSizeRecommendation(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., current_max_batch_size: _Optional[int] = ..., recommended_max_batch_size: _Optional[int] = ..., change: _Optional[str] = ..., reason: _Optional[str] = ..., itl_p99_ms: _Optional[float] = ..., target_itl_ms: _Optional[float] = ...) -> None: ...
 
 class WorkerEstimate(_message.Message):
-    __slots__ = ("worker_id", "prefill_tokens_per_s", "itl_ms", "samples", "reserved_kv_bytes", "reserved_requests", "load", "learned_prefill_fixed_ms", "learned_prefill_scale", "learned_prefill_samples")
+    __slots__ = ("worker_id", "prefill_tokens_per_s", "itl_ms", "samples", "reserved_kv_bytes", "reserved_requests", "load", "learned_prefill_fixed_ms", "learned_prefill_scale", "learned_prefill_samples", "learned_prefill_queue_share")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     ITL_MS_FIELD_NUMBER: _ClassVar[int]
@@ -454,6 +454,7 @@ class WorkerEstimate(_message.Message):
     LEARNED_PREFILL_FIXED_MS_FIELD_NUMBER: _ClassVar[int]
     LEARNED_PREFILL_SCALE_FIELD_NUMBER: _ClassVar[int]
     LEARNED_PREFILL_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    LEARNED_PREFILL_QUEUE_SHARE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     prefill_tokens_per_s: float
     itl_ms: float
@@ -464,7 +465,8 @@ class WorkerEstimate(_message.Message):
     learned_prefill_fixed_ms: float
     learned_prefill_scale: float
     learned_prefill_samples: int
-    def __init__(self, worker_id: _Optional[str] = ..., prefill_tokens_per_s: _Optional[float] = ..., itl_ms: _Optional[float] = ..., samples: _Optional[int] = ..., reserved_kv_bytes: _Optional[int] = ..., reserved_requests: _Optional[int] = ..., load: _Optional[float] = ..., learned_prefill_fixed_ms: _Optional[float] = ..., learned_prefill_scale: _Optional[float] = ..., learned_prefill_samples: _Optional[int] = ...) -> None: ...
+    learned_prefill_queue_share: float
+    def __init__(self, worker_id: _Optional[str] = ..., prefill_tokens_per_s: _Optional[float] = ..., itl_ms: _Optional[float] = ..., samples: _Optional[int] = ..., reserved_kv_bytes: _Optional[int] = ..., reserved_requests: _Optional[int] = ..., load: _Optional[float] = ..., learned_prefill_fixed_ms: _Optional[float] = ..., learned_prefill_scale: _Optional[float] = ..., learned_prefill_samples: _Optional[int] = ..., learned_prefill_queue_share: _Optional[float] = ...) -> None: ...
 
 class LinkEstimate(_message.Message):
     __slots__ = ("src_pool_id", "dst_pool_id", "gbps", "samples")

@@ -102,23 +102,29 @@ class LearnedSpeed:
     ``hpd_scheduler.policy.learning``, fits it from reported outcomes; the simulator the same way).
 
     The prefill phase of a request (from the moment it is sent to the engine to its first
-    token, queue included) takes ``fixed_ms x (1 + ahead) + scale x nominal_ms``:
+    token, queue included) takes ``fixed_ms x (1 + queue_share x ahead) + scale x
+    nominal_ms``:
     ``nominal_ms`` is the declared cost model's time for the work queued ahead plus the
     request's own, ``ahead`` the requests queued ahead (the queued prompt tokens at the
     traffic's mean prompt), ``fixed_ms`` what the engine spends per request whatever its
     length (HTTP, tokenizing, scheduling, the sampler; on a small model nearly all of it),
-    ``scale`` how many times slower than declared it computes. ``samples``: how many
-    outcomes the fit rests on. The planner uses the figures in place of the declared ones
-    with no clamp (the learner bounds them, with its reasons)."""
+    ``scale`` how many times slower than declared it computes, ``queue_share`` the share of
+    a request's fixed cost each request queued ahead adds (1: the engine prefills one
+    request at a time; less: it batches the prefills of several into one step).
+    ``samples``: how many outcomes the fit rests on. The planner uses the figures in place
+    of the declared ones with no clamp (the learner bounds them, with its reasons)."""
 
     fixed_ms: float
     scale: float
     samples: int
+    queue_share: float = 1.0
 
     def __post_init__(self) -> None:
-        if not (self.fixed_ms >= 0 and self.scale > 0):
+        if not (self.fixed_ms >= 0 and self.scale > 0 and 0.0 <= self.queue_share <= 1.0):
             raise InvalidInputError(
-                "learned", f"fixed_ms must be >= 0 and scale > 0, got {self.fixed_ms}, {self.scale}"
+                "learned",
+                "fixed_ms must be >= 0, scale > 0 and queue_share within [0, 1], got "
+                f"{self.fixed_ms}, {self.scale}, {self.queue_share}",
             )
 
 

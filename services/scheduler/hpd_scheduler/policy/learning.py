@@ -50,14 +50,30 @@ What must not poison it:
   planned at its new speed after six requests, not after half a window;
 * a restart: every prefill sample carries its worker's incarnation (the registration
   time); only the current incarnation's count, and a plan made before it teaches nothing;
-* the planner's queue model: a prefill sample is taken only from a plan that saw less
-  than ``AHEAD_MAX`` (one) request queued ahead on its worker, so what it measures is the
-  engine's own speed, not the error of the planner's estimate of a queue (which counts
-  inbound transfers and unreported prefills at the traffic's mean prompt). Fitted on
-  every plan, the simulator's decode workers under 3x overload learned a scale of 0 (their
-  modelled queues were longer than the prefill work they really ran), the planner then
-  priced their recomputes as free, and the admitted requests' attainment fell from 0.99 to
-  0.70; the learned speed then prices the queue through the planner's own queue model;
+* the planner's queue model: ``scale`` and ``fixed`` are fitted only on plans that saw
+  less than ``AHEAD_MAX`` (one) request queued ahead on their worker, so what they measure
+  is the engine's own speed, not the error of the planner's estimate of a queue (which
+  counts inbound transfers and unreported prefills at the traffic's mean prompt). Fitted
+  on every plan, the simulator's decode workers under 3x overload learned a scale of 0
+  (their modelled queues were longer than the prefill work they really ran), the planner
+  then priced their recomputes as free, and the admitted requests' attainment fell from
+  0.99 to 0.70;
+* the queue's price: the plans that saw a queue (``queue_key`` samples, a window of their
+  own so a busy worker's queued samples never push out the ones its speed rests on) teach
+  one figure more, the **queue share**: how much of a request's fixed cost each request
+  queued ahead adds to the wait, ``y = scale x nominal + fixed x (1 + share x ahead)``.
+  An engine that prefills one request at a time pays every queued request's fixed cost
+  (share 1); one that batches the prefills of several requests into each step (vLLM's
+  scheduler does, up to its token budget) pays a step's fixed cost for several of them,
+  and with share 1 the plans of a busy real engine came out 1.2-2.2x long (bench/README.md,
+  2026-12-07): admission refused requests the fleet could serve, and the fast engine's
+  queue looked longer than it was. The share is the median, over the last ``WINDOW``
+  queued samples, of each one's excess over the unqueued fit per request ahead, kept
+  within [0, 1]: a median because a stalled request must not move it, and within [0, 1]
+  because a queued request cannot add more than its own fixed cost nor give time back
+  (an excess outside says the queue was estimated wrong, which the share must not
+  absorb past its bounds). Until ``MIN_SAMPLES`` queued samples exist it is 1, the
+  conservative price;
 * an idle worker: nothing decays with time, an idle engine has not changed speed;
 * absurd figures: ``scale`` within ``SCALE_BOUNDS`` and ``fixed`` within ``FIXED_MAX_MS``
   (a fit outside says the samples are broken, not the worker; the fit's ``note`` says so).
@@ -73,7 +89,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .domain import LearnedSpeed
@@ -91,6 +107,8 @@ __all__ = [
     "SpeedLearner",
     "fit",
     "prefill_key",
+    "queue_key",
+    "queue_share",
     "samples_from",
 ]
 
@@ -139,16 +157,20 @@ class Sample:
 
 @dataclass(frozen=True, slots=True)
 class Fit:
-    """``y = scale x x + fixed x (1 + ahead)``; ``samples`` it rests on; ``note`` says why
-    a figure sits at a bound or a term was dropped ('' when neither)."""
+    """``y = scale x x + fixed x (1 + share x ahead)``; ``samples`` the unqueued samples
+    ``scale`` and ``fixed`` rest on, ``queued`` the queued ones ``queue_share`` rests on (0:
+    none yet, the share is 1); ``note`` says why a figure sits at a bound or a term was
+    dropped ('' when neither)."""
 
     scale: float
     fixed_ms: float
     samples: int
     note: str = ""
+    queue_share: float = 1.0
+    queued: int = 0
 
     def predict(self, x: float, ahead: float = 0.0) -> float:
-        return self.scale * x + self.fixed_ms * (1.0 + ahead)
+        return self.scale * x + self.fixed_ms * (1.0 + self.queue_share * ahead)
 
 
 def _solve(rows: Sequence[tuple[float, float, float]], w: Sequence[float]) -> tuple[float, float]:
@@ -240,8 +262,25 @@ def fit(samples: Sequence[Sample]) -> Fit | None:
     return _bounded(c1, c2, len(pts))
 
 
+def queue_share(base: Fit, queued: Sequence[Sample]) -> Fit:
+    """``base`` with the queue share of the last ``WINDOW`` of ``queued`` (oldest first;
+    module docstring); ``base`` as it is with fewer than ``MIN_SAMPLES`` of them or no
+    fixed cost to share."""
+    pts = [s for s in queued[-WINDOW:] if s.ahead > 0]
+    if len(pts) < MIN_SAMPLES or base.fixed_ms <= 0:
+        return replace(base, queue_share=1.0, queued=0)
+    excess = [(s.y - base.scale * s.x - base.fixed_ms) / (base.fixed_ms * s.ahead) for s in pts]
+    share = min(max(_median(excess), 0.0), 1.0)
+    return replace(base, queue_share=share, queued=len(pts))
+
+
 def prefill_key(worker_id: str) -> str:
     return f"p:{worker_id}"
+
+
+def queue_key(worker_id: str) -> str:
+    """The key of a worker's samples taken with a queue ahead (``queue_share``)."""
+    return f"q:{worker_id}"
 
 
 def samples_from(
@@ -252,10 +291,11 @@ def samples_from(
     now_ms: int,
 ) -> list[tuple[str, Sample]]:
     """What one successful outcome teaches (module docstring): a sample of the prefill
-    phase of the worker that prefilled. Nothing from a failed outcome, from one served
-    otherwise than planned (its terms were another worker's), from a plan without the
-    nominal terms (made by an older scheduler) or with a queue ahead (``AHEAD_MAX``), or
-    from a plan made before its worker's current incarnation."""
+    phase of the worker that prefilled, under ``prefill_key`` or, when its plan saw a queue
+    ahead (``AHEAD_MAX``), under ``queue_key``. Nothing from a failed outcome, from one
+    served otherwise than planned (its terms were another worker's), from a plan without
+    the nominal terms (made by an older scheduler) or made before its worker's current
+    incarnation."""
     if not outcome.get("success"):
         return []
     mode = plan.get("mode")
@@ -274,13 +314,15 @@ def samples_from(
     worker = str(plan.get("prefill_worker_id", ""))
     inc = incarnations.get(worker, 0)
     fresh = inc and created_at_ms >= inc
-    if worker and nominal > 0 and y > 0 and fresh and ahead < AHEAD_MAX:
-        return [(prefill_key(worker), Sample(nominal, max(ahead, 0.0), y, inc, now_ms).stored())]
+    if worker and nominal > 0 and y > 0 and fresh:
+        key = prefill_key(worker) if ahead < AHEAD_MAX else queue_key(worker)
+        return [(key, Sample(nominal, max(ahead, 0.0), y, inc, now_ms).stored())]
     return []
 
 
 class SpeedLearner:
-    """The samples and fits of every worker (``prefill_key``).
+    """The samples and fits of every worker (``prefill_key``; its queued samples under
+    ``queue_key`` set the fit's queue share).
 
     ``version[worker]`` increments when a worker's fit changes and ``generation`` when any
     does (a worker planned by the fleet's prior follows the others' fits), so cached views
@@ -293,6 +335,7 @@ class SpeedLearner:
         self.version: dict[str, int] = {}
         self.generation = 0
         self._since: dict[str, int] = {}  # samples added since the key's last fit
+        self._base: dict[str, Fit] = {}  # the fit of the unqueued samples alone
 
     def add(self, key: str, sample: Sample, incarnation: int = 0) -> None:
         """One new sample, kept locally (the store shares it with the other replicas).
@@ -300,10 +343,14 @@ class SpeedLearner:
         A fit costs about a millisecond of Python, so it is redone only when it can have
         moved: while it rests on fewer than ``WINDOW`` samples, when the new one misses it
         by more than ``SHIFT_FACTOR`` (a speed change starts so), and otherwise every
-        ``REFIT_EVERY`` samples."""
+        ``REFIT_EVERY`` samples. A queued sample only moves the queue share (a median of
+        at most ``WINDOW`` figures: microseconds), redone every time."""
         kept = self.samples.setdefault(key, [])
         kept.append(sample)
         del kept[: -2 * WINDOW]
+        if key.startswith("q:"):
+            self._reshare(key[2:], incarnation)
+            return
         f = self.fits.get(key)
         n = self._since.get(key, 0) + 1
         if f is not None and f.samples >= WINDOW and n < REFIT_EVERY:
@@ -320,39 +367,60 @@ class SpeedLearner:
         """Every key's samples as the store holds them (oldest first)."""
         for key, got in stored.items():
             new = list(got)[-2 * WINDOW :]
-            if key.startswith("p:") and new != self.samples.get(key):
+            if key[:2] in ("p:", "q:") and new != self.samples.get(key):
                 self.samples[key] = new
-                self._refit(key, incarnations.get(key[2:], 0))
+                inc = incarnations.get(key[2:], 0)
+                if key.startswith("p:"):
+                    self._refit(key, inc)
+                else:
+                    self._reshare(key[2:], inc)
 
     def forget_incarnation(self, worker_id: str, incarnation: int) -> None:
         """The worker registered anew: its fit of an earlier engine no longer applies."""
         key = prefill_key(worker_id)
-        if key in self.samples or key in self.fits:
+        if key in self.samples or key in self.fits or queue_key(worker_id) in self.samples:
             self._refit(key, incarnation)
 
     def _refit(self, key: str, incarnation: int) -> None:
         pts = [s for s in self.samples.get(key, []) if s.inc == incarnation]
-        new = fit(pts)
+        base = fit(pts)
+        if base is None:
+            self._base.pop(key, None)
+        else:
+            self._base[key] = base
+        self._reshare(key[2:], incarnation)
+
+    def _reshare(self, worker_id: str, incarnation: int) -> None:
+        """The worker's fit: its unqueued fit with the share its queued samples set."""
+        key = prefill_key(worker_id)
+        base = self._base.get(key)
+        queued = [s for s in self.samples.get(queue_key(worker_id), []) if s.inc == incarnation]
+        new = None if base is None else queue_share(base, queued)
         if new == self.fits.get(key):
             return
         if new is None:
             self.fits.pop(key, None)
         else:
             self.fits[key] = new
-        self.version[key[2:]] = self.version.get(key[2:], 0) + 1
+        self.version[worker_id] = self.version.get(worker_id, 0) + 1
         self.generation += 1
 
     def prefill(self, worker_id: str) -> LearnedSpeed | None:
         f = self.fits.get(prefill_key(worker_id))
-        return None if f is None else LearnedSpeed(f.fixed_ms, f.scale, f.samples)
+        if f is None:
+            return None
+        return LearnedSpeed(f.fixed_ms, f.scale, f.samples, f.queue_share)
 
     def prior(self, worker_ids: Iterable[str]) -> LearnedSpeed | None:
-        """The speed a worker without a fit is planned at: the median fixed cost and scale
-        of the fits among ``worker_ids`` (its model's workers; module docstring), with 0
-        samples of its own; None when none of them has a fit."""
+        """The speed a worker without a fit is planned at: the median fixed cost, scale
+        and queue share of the fits among ``worker_ids`` (its model's workers; module
+        docstring), with 0 samples of its own; None when none of them has a fit."""
         fits = [f for w in worker_ids if (f := self.fits.get(prefill_key(w))) is not None]
         if not fits:
             return None
         return LearnedSpeed(
-            _median([f.fixed_ms for f in fits]), _median([f.scale for f in fits]), 0
+            _median([f.fixed_ms for f in fits]),
+            _median([f.scale for f in fits]),
+            0,
+            _median([f.queue_share for f in fits]),
         )

@@ -14,8 +14,12 @@ def plan_of(o: Option, request: Request, need: ResourceNeed) -> RoutePlan:
     """The route plan of the chosen option, with its estimates."""
     p, d = o.p, o.d
     transfer = o.mode is Mode.TRANSFER
-    ahead = p.ws.requests_ahead()
-    nominal = (p.wait_ms + p.run_ms - p.ws.p_fixed * (1.0 + ahead)) / p.ws.m_p
+    ws = p.ws
+    ahead = ws.requests_ahead()
+    # the declared model's time of the queue and the request: the estimate less the fixed
+    # costs it priced (the request's own and the queue's share of theirs)
+    fixed = ws.p_fixed + (ws.backlog_tokens + ws.live_tokens) * ws.fixed_per_token
+    nominal = (p.wait_ms + p.run_ms - fixed) / ws.m_p
     return RoutePlan(
         resource_need=need,
         mode=o.mode,

@@ -145,13 +145,14 @@ class WorkerState:
         The prefill speed as measured (``LearnedSpeed``): the fitted scale of the declared
         compute time, unclamped, and a fixed cost per request, which the queued prompt
         tokens carry at the traffic's mean prompt (``fixed_per_token``), as the wait prices
-        them. Without it, the report's prefill tokens/s corrects the declared speed within
-        a clamp, weighed by the report's freshness (a report alone cannot tell a fixed cost
-        from a slow GPU)."""
+        them, each request queued ahead at its learned share of the fixed cost (an engine
+        that batches prefills pays a step's fixed cost for several). Without it, the
+        report's prefill tokens/s corrects the declared speed within a clamp, weighed by the
+        report's freshness (a report alone cannot tell a fixed cost from a slow GPU)."""
         learned = view.learned
         if learned is not None:
             self.p_fixed = learned.fixed_ms
-            self.fixed_per_token = learned.fixed_ms / self.ref_tokens
+            self.fixed_per_token = learned.queue_share * learned.fixed_ms / self.ref_tokens
             return learned.scale
         load = view.load
         c = self.conf

@@ -201,15 +201,17 @@ WIDE_HEADERS = ["ITL", "PREFILL (LEARNED)"]
 
 
 def learned_text(e: s.WorkerEstimate | None) -> str:
-    """``62ms/req + 31x declared (12)``: a worker's learned prefill speed (``-`` before it
-    has one, ``?`` when the scheduler did not answer)."""
+    """``62ms/req + 31x declared, 0.4 queued (12)``: a worker's learned prefill speed (the
+    fixed cost of a request, the compute time over the declared one, the share of its fixed
+    cost each queued request adds; ``-`` before it has one, ``?`` when the scheduler did
+    not answer)."""
     if e is None:
         return "?"
     if not e.learned_prefill_samples:
         return "- (declared)"
     return (
-        f"{e.learned_prefill_fixed_ms:.0f}ms/req + {e.learned_prefill_scale:.3g}x declared "
-        f"({e.learned_prefill_samples})"
+        f"{e.learned_prefill_fixed_ms:.0f}ms/req + {e.learned_prefill_scale:.3g}x declared, "
+        f"{e.learned_prefill_queue_share:.2g} queued ({e.learned_prefill_samples})"
     )
 
 
