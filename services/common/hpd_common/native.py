@@ -51,6 +51,7 @@ MODULES: tuple[str, ...] = (
     "hpd_scheduler.policy.decision",
     "hpd_scheduler.policy.domain",
     "hpd_scheduler.policy.factors",
+    "hpd_scheduler.policy.filters",
     "hpd_scheduler.policy.fleet",
     "hpd_scheduler.policy.framework",
     "hpd_scheduler.policy.links",

@@ -109,6 +109,31 @@ def test_a_learned_share_outside_its_bounds_is_refused() -> None:
         LearnedSpeed(fixed_ms=1.0, scale=1.0, samples=1, queue_share=1.5)
 
 
+def test_a_worker_not_yet_measured_is_probed_one_request_at_a_time() -> None:
+    """Planned at its peers' speed (the prior: 0 samples of its own) a worker takes one
+    prefill at a time until it has a fit of its own; a measured worker is not held."""
+    measured = LearnedSpeed(fixed_ms=30.0, scale=5.0, samples=8)
+    prior = LearnedSpeed(fixed_ms=30.0, scale=5.0, samples=0)
+    fleet = _fleet(prior, fast=measured)
+    planner = Planner(DEFAULT)
+    chosen = []
+    for i in range(12):
+        d = planner.plan(request(2000, 64, "standard", rid=f"b{i}"), fleet, NOW, random.Random(i))
+        assert d.plan is not None
+        chosen.append(d.plan.prefill_worker_id)
+        fleet.reserve(d.plan.prefill_worker_id, 0, d.plan.prefill_tokens, 1)
+    assert chosen.count("p-slow") == 1, chosen  # one probe in flight, the rest held
+    # once measured (as fast as its peer here) it takes its share of the burst
+    again = _fleet(measured, fast=measured)
+    got = []
+    for i in range(12):
+        d = planner.plan(request(2000, 64, "standard", rid=f"m{i}"), again, NOW, random.Random(i))
+        assert d.plan is not None
+        got.append(d.plan.prefill_worker_id)
+        again.reserve(d.plan.prefill_worker_id, 0, d.plan.prefill_tokens, 1)
+    assert got.count("p-slow") >= 3, got
+
+
 def test_a_decode_worker_labelled_never_to_prefill_gets_transfers_however_slow() -> None:
     """``local-prefill=never``: measured, the link is slower than the decode worker
     recomputing (a 200 ms hand-off), so the planner would recompute; the operator's label

@@ -1,4 +1,5 @@
-"""The built-in plugin types. Each docstring states its formula; scores are in [0, 1].
+"""The built-in plugin types. Each docstring states its formula; scores are in [0, 1]. The
+filters have a room of their own (``filters.py``); they are registered here with the rest.
 
 Seed-faithful scorers carry a ``seed-`` prefix and reproduce seed 001's shapes (with the
 normalisations ``factors.py`` documents); the others are our capacity-aware replacements:
@@ -26,10 +27,17 @@ from .factors import (
     seed_network_score,
     seed_queue_score,
 )
+from .filters import (
+    DecodeMemoryFilter,
+    ExecutionGateFilter,
+    LabelSelectorFilter,
+    ProbeFilter,
+    QueueCapacityFilter,
+    StalenessFilter,
+)
 from .fleet import WorkerState
 from .framework import (
     Candidate,
-    Filter,
     Picker,
     PluginRegistry,
     RequestContext,
@@ -37,132 +45,21 @@ from .framework import (
     T,
 )
 
-__all__ = ["REGISTRY"]
+__all__ = [
+    "REGISTRY",
+    "DecodeMemoryFilter",
+    "ExecutionGateFilter",
+    "LabelSelectorFilter",
+    "ProbeFilter",
+    "QueueCapacityFilter",
+    "StalenessFilter",
+]
 
 REGISTRY = PluginRegistry()
 """The default registry holding every built-in plugin type."""
 
 _PREFILL = frozenset({Role.PREFILL})
 _DECODE = frozenset({Role.DECODE})
-
-
-# -- filters --------------------------------------------------------------------------------
-
-
-class ExecutionGateFilter(Filter):
-    """Execution compatibility per request: the stage is served (``unsupported_stage``) and,
-    when the request pins a model revision, the worker runs it (``model_revision_mismatch``).
-    Health, model and GPU are gated once per snapshot by the fleet index."""
-
-    type_name: ClassVar[str] = "execution-gate-filter"
-
-    def drop_reason(self, ws: WorkerState, role: Role, ctx: RequestContext) -> str | None:
-        if not ws.view.stage.serves(role):
-            return "unsupported_stage"
-        rev = ctx.request.model_revision
-        if rev and ws.view.model_revision != rev:
-            return "model_revision_mismatch"
-        return None
-
-
-@dataclass(frozen=True, slots=True)
-class MemoryParams:
-    """``headroom``: required free KV = request KV x headroom (seed: 1.2)."""
-
-    headroom: float = 1.2
-
-    def __post_init__(self) -> None:
-        if not self.headroom >= 1.0:
-            raise InvalidInputError("headroom", f"must be >= 1, got {self.headroom}")
-
-
-class DecodeMemoryFilter(Filter):
-    """Seed decode gate: drop (``insufficient_memory``) when
-    ``available KV - reservations < (prompt + output) x bytes/token x headroom``."""
-
-    type_name: ClassVar[str] = "decode-memory-filter"
-    Params = MemoryParams
-    roles: ClassVar[frozenset[Role]] = _DECODE
-
-    def drop_reason(self, ws: WorkerState, role: Role, ctx: RequestContext) -> str | None:
-        r = ctx.request
-        need = (r.prompt_tokens + r.expected_output_tokens) * ws.cap.kv_bytes_per_token
-        if not memory_gate_ok(ws.available_kv(), need, self.params.headroom):
-            return "insufficient_memory"
-        return None
-
-
-class QueueCapacityFilter(Filter):
-    """Drop (``queue_full``) when the worker declared a queue bound and its queue (with
-    reservations) has reached it."""
-
-    type_name: ClassVar[str] = "queue-capacity-filter"
-
-    def drop_reason(self, ws: WorkerState, role: Role, ctx: RequestContext) -> str | None:
-        if ws.queue_max > 0 and ws.queue_depth() >= ws.queue_max:
-            return "queue_full"
-        return None
-
-
-@dataclass(frozen=True, slots=True)
-class StalenessParams:
-    """``max_age_s``: older reports drop the worker; ``require_report``: drop workers that
-    never reported."""
-
-    max_age_s: float = 30.0
-    require_report: bool = False
-
-    def __post_init__(self) -> None:
-        if not self.max_age_s > 0:
-            raise InvalidInputError("max_age_s", f"must be > 0, got {self.max_age_s}")
-
-
-class StalenessFilter(Filter):
-    """Drop (``stale_load_report``) when ``now - reported_at > max_age_s``; below that bound
-    staleness only lowers the score (``staleness-scorer``)."""
-
-    type_name: ClassVar[str] = "staleness-filter"
-    Params = StalenessParams
-
-    def drop_reason(self, ws: WorkerState, role: Role, ctx: RequestContext) -> str | None:
-        if ws.reported_at_s is None:
-            return "no_load_report" if self.params.require_report else None
-        if ctx.now_s - ws.reported_at_s > self.params.max_age_s:
-            return "stale_load_report"
-        return None
-
-
-@dataclass(frozen=True, slots=True)
-class LabelParams:
-    """``match``: comma-separated ``key=value`` pairs every kept worker must carry."""
-
-    match: str = ""
-
-    def __post_init__(self) -> None:
-        for raw in self.match.split(","):
-            part = raw.strip()
-            if part and "=" not in part:
-                raise InvalidInputError("match", f"expected key=value, got {part!r}")
-
-
-class LabelSelectorFilter(Filter):
-    """Keep workers whose labels contain every ``key=value`` of ``match``
-    (``label_mismatch`` otherwise)."""
-
-    type_name: ClassVar[str] = "label-selector-filter"
-    Params = LabelParams
-
-    def __init__(self, name: str, params: LabelParams | None = None) -> None:
-        super().__init__(name, params)
-        pairs = [p.strip().split("=", 1) for p in self.params.match.split(",") if p.strip()]
-        self._pairs = [(k.strip(), v.strip()) for k, v in pairs]
-
-    def drop_reason(self, ws: WorkerState, role: Role, ctx: RequestContext) -> str | None:
-        labels = ws.view.labels
-        for k, v in self._pairs:
-            if labels.get(k) != v:
-                return "label_mismatch"
-        return None
 
 
 # -- scorers --------------------------------------------------------------------------------
@@ -462,7 +359,7 @@ class RoundRobinPicker(Picker[T]):
 # Registered by call, not by decorator: a decorated class cannot be compiled (hpd_common.native).
 for _plugin in (
     ExecutionGateFilter, DecodeMemoryFilter, QueueCapacityFilter, StalenessFilter,
-    LabelSelectorFilter, SeedComputeScorer, CapacityComputeScorer, SeedLoadScorer,
+    LabelSelectorFilter, ProbeFilter, SeedComputeScorer, CapacityComputeScorer, SeedLoadScorer,
     WorkLoadScorer, SeedQueueScorer, QueueWaitScorer, SeedNetworkScorer, LinkTransferScorer,
     SeedModelScorer, PrefixCacheScorer, SeedItlScorer, TierItlScorer, MemoryScorer, BatchScorer,
     BandwidthScorer, StalenessScorer, BlindLoadScorer, UniformScorer, MaxScorePicker,
