@@ -176,7 +176,7 @@ class ProbeFilter(Filter):
 
     def drop_reason(self, ws: WorkerState, role: Role, ctx: RequestContext) -> str | None:
         learned = ws.view.learned
-        if learned is not None and learned.samples == 0:
-            if ws.queue_depth() >= self.params.max_in_flight:
-                return "probing"
+        prior = learned is not None and learned.samples == 0
+        if prior and ws.queue_depth() >= self.params.max_in_flight:
+            return "probing"
         return None

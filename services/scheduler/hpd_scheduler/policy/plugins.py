@@ -20,7 +20,6 @@ from .errors import InvalidInputError
 from .factors import (
     batch_score,
     itl_score,
-    memory_gate_ok,
     memory_score,
     seed_compute_score,
     seed_load_score,
@@ -35,7 +34,6 @@ from .filters import (
     QueueCapacityFilter,
     StalenessFilter,
 )
-from .fleet import WorkerState
 from .framework import (
     Candidate,
     Picker,
