@@ -327,6 +327,9 @@ def recommendations_to_pb(recs: Recommendations) -> s.GetRecommendationsResponse
                 learned_prefill_scale=w.learned.scale if w.learned else 0.0,
                 learned_prefill_samples=w.learned.samples if w.learned else 0,
                 learned_prefill_queue_share=w.learned.queue_share if w.learned else 0.0,
+                learned_decode_scale=w.learned_step.scale if w.learned_step else 0.0,
+                learned_decode_seq_ms=w.learned_step.seq_ms if w.learned_step else 0.0,
+                learned_decode_samples=w.learned_step.samples if w.learned_step else 0,
             )
         )
     for src, dst, gbps, n in recs.links:

@@ -15,6 +15,7 @@ from hpd_scheduler.policy import (
     BatchRecommendation,
     ConfigError,
     LearnedSpeed,
+    LearnedStep,
     Planner,
     Profile,
     RebalancePlan,
@@ -48,6 +49,7 @@ class WorkerFigures:
     reserved: Totals
     load: float
     learned: LearnedSpeed | None = None
+    learned_step: LearnedStep | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +149,7 @@ class PolicyAndDirectives(FleetSnapshot):
                 batch.append((ws.worker_id, current, rec, itl, target))
             models.append(ModelRecommendation(mid, plan, tuple(batch)))
         obs = self.observed
-        learned = {k[2:] for k in obs.learner.fits if k.startswith("p:")}
+        learned = {k[2:] for k in obs.learner.fits if k[:2] in ("p:", "d:")}
         ids = sorted(
             set(obs.prefill_tps)
             | set(obs.itl_ms)
@@ -164,6 +166,7 @@ class PolicyAndDirectives(FleetSnapshot):
                 self.reserved(wid),
                 loads_by_worker.get(wid, 0.0),
                 obs.learner.prefill(wid),
+                obs.learner.step(wid),
             )
             for wid in ids
         )

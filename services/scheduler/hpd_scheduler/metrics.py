@@ -70,10 +70,26 @@ LEARNED_PREFILL_QUEUE_SHARE = Gauge(
 )
 
 
+LEARNED_DECODE_SCALE = Gauge(
+    "hpd_scheduler_learned_decode_scale",
+    "A worker's learned decode step read time over its declared one (1 = as declared).",
+    ["worker"],
+)
+LEARNED_DECODE_SEQ_MS = Gauge(
+    "hpd_scheduler_learned_decode_seq_ms",
+    "A worker's learned decode step cost per sequence in the batch (ms).",
+    ["worker"],
+)
+
+
 def export_learned(fits: Mapping[str, Any]) -> None:
-    """The learner's prefill fits (``learning.Fit`` under ``p:<worker>``) as gauges."""
+    """The learner's fits (``learning.Fit``: the prefill under ``p:<worker>``, the decode
+    step under ``d:<worker>``) as gauges."""
     for key, f in fits.items():
         if key.startswith("p:"):
             LEARNED_PREFILL_FIXED_MS.labels(worker=key[2:]).set(f.fixed_ms)
             LEARNED_PREFILL_SCALE.labels(worker=key[2:]).set(f.scale)
             LEARNED_PREFILL_QUEUE_SHARE.labels(worker=key[2:]).set(f.queue_share)
+        elif key.startswith("d:"):
+            LEARNED_DECODE_SCALE.labels(worker=key[2:]).set(f.scale)
+            LEARNED_DECODE_SEQ_MS.labels(worker=key[2:]).set(f.fixed_ms)

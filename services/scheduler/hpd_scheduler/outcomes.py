@@ -80,14 +80,18 @@ class OutcomeReports(FleetSnapshot):
         tier = str(head.get("tier") or "")
         created_ms = int(head.get("created_at_ms") or 0)
         _error_metrics(plan, est, outcome, tier)
-        worker = str(plan.get("prefill_worker_id", ""))
-        rec = self.informer.workers.get(worker)
-        incarnation = {worker: rec.state.registered_at_ms} if rec is not None else {}
+        incarnation = {}
+        for role in ("prefill_worker_id", "decode_worker_id"):
+            worker = str(plan.get(role, ""))
+            rec = self.informer.workers.get(worker)
+            if rec is not None:
+                incarnation[worker] = rec.state.registered_at_ms
         got = samples_from(plan, outcome, created_ms, incarnation, self.clock.now_ms())
         learner = self.observed.learner
         for key, sample in got:
             learner.add(key, sample, sample.inc)
-            fitted = prefill_key(key[2:])  # a queued sample moves its worker's fit too
+            # a queued sample moves its worker's prefill fit
+            fitted = key if key.startswith("d:") else prefill_key(key[2:])
             metrics.export_learned({fitted: f} if (f := learner.fits.get(fitted)) else {})
         if got:
             self._changed.set()

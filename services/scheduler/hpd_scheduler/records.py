@@ -101,6 +101,9 @@ def head_of(
                 "tpot_ms": _r(e.tpot_ms),
                 "prefill_nominal_ms": _r(e.prefill_nominal_ms),
                 "prefill_ahead": _r(e.prefill_ahead),
+                "decode_nominal_ms": float(f"{e.decode_nominal_ms:.6g}"),  # can be tiny
+                "decode_others": _r(e.decode_others),
+                "decode_duty": _r(e.decode_duty),
             },
             "fallbacks": [f.to_dict() for f in chain],
         }

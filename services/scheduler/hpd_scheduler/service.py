@@ -416,6 +416,14 @@ class SchedulerService(PolicyAndDirectives, OutcomeReports, RouteRecords, Schedu
             else f"prefill_speed:{wid}:{how}:fixed_ms={got.fixed_ms:.1f}"
             f":scale={got.scale:.3g}:queue_share={got.queue_share:.2f}:samples={got.samples}"
         )
+        dws = self.fleet().worker(plan.decode_worker_id)
+        step = dws.view.learned_step if dws is not None else None
+        if step is not None:
+            how = "learned" if step.samples else "prior"
+            decision.record.notes.append(
+                f"decode_step:{plan.decode_worker_id}:{how}:scale={step.scale:.3g}"
+                f":seq_ms={step.seq_ms:.2f}:samples={step.samples}"
+            )
 
     def _background(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coro)

@@ -25,8 +25,8 @@ from hpd_scheduler.explanations import ExplanationWriter
 from hpd_scheduler.feedback import ObservedEstimates
 from hpd_scheduler.group_commit import GroupCommit
 from hpd_scheduler.learn_store import LearnStore
-from hpd_scheduler.policy import Fleet, LearnedSpeed, LinkModel, WorkerView
-from hpd_scheduler.policy.learning import prefill_key
+from hpd_scheduler.policy import Fleet, LearnedSpeed, LearnedStep, LinkModel, WorkerView
+from hpd_scheduler.policy.learning import prefill_key, step_key
 from hpd_scheduler.policy.prefix import PrefixIndex
 from hpd_scheduler.policy.worker_state import PromptMix
 from hpd_scheduler.prefill_due import PrefillDue
@@ -100,10 +100,10 @@ class FleetSnapshot(SchedulerState):
             if incarnations.get(wid) != inc:
                 incarnations[wid] = inc  # a new engine: its predecessor's speed is not its
                 learner.forget_incarnation(wid, inc)
-        priors: dict[str, LearnedSpeed | None] = {}
+        priors: dict[str, tuple[LearnedSpeed | None, LearnedStep | None]] = {}
         for wid, rec in workers.items():
             # a worker without a fit follows every fit of its model (the prior)
-            own = prefill_key(wid) in learner.fits
+            own = prefill_key(wid) in learner.fits and step_key(wid) in learner.fits
             ver = (obs.version_of(wid), 0 if own else learner.generation)
             hit = cache.get(wid)
             if hit is not None and hit[0] == rec.revision and hit[1] == ver:
@@ -112,8 +112,8 @@ class FleetSnapshot(SchedulerState):
                 model = rec.spec.model_id
                 if model not in priors:
                     peers = [w for w, r in workers.items() if r.spec.model_id == model]
-                    priors[model] = learner.prior(peers)
-                entry = (rec.revision, ver, view_of(rec, obs, priors[model]))
+                    priors[model] = (learner.prior(peers), learner.step_prior(peers))
+                entry = (rec.revision, ver, view_of(rec, obs, *priors[model]))
             fresh[wid] = entry
             views.append(entry[2])
         self._views = fresh

@@ -27,6 +27,7 @@ from hpd_scheduler.feedback import Ewma, ObservedEstimates
 from hpd_scheduler.policy import (
     Health,
     LearnedSpeed,
+    LearnedStep,
     Link,
     LinkModel,
     LoadReport,
@@ -49,8 +50,10 @@ def view_of(
     rec: WorkerRecord,
     observed: ObservedEstimates | None = None,
     prior: LearnedSpeed | None = None,
+    step_prior: LearnedStep | None = None,
 ) -> WorkerView:
-    """The planner's view of one registry record (module docstring)."""
+    """The planner's view of one registry record (module docstring); ``prior`` and
+    ``step_prior`` the speeds a worker without fits of its own is planned at."""
     spec = rec.spec
     total = spec.kv_memory_total_bytes
     free = total
@@ -80,10 +83,16 @@ def view_of(
             itl_p50_ms=itl_obs.value if itl_obs else 0.0,
             prefill_tokens_per_s=tps_obs.value if tps_obs else 0.0,
         )
-    learned = observed.learner.prefill(spec.worker_id) if observed is not None else None
-    learned = learned or prior
+    learner = observed.learner if observed is not None else None
+    learned = (learner.prefill(spec.worker_id) if learner is not None else None) or prior
+    step = (learner.step(spec.worker_id) if learner is not None else None) or step_prior
     return WorkerView(
-        spec, kv_available_bytes=free, health=health_of(rec), load=load, learned=learned
+        spec,
+        kv_available_bytes=free,
+        health=health_of(rec),
+        load=load,
+        learned=learned,
+        learned_step=step,
     )
 
 

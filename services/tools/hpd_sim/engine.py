@@ -300,6 +300,7 @@ class Simulator:
             pending_kv_bytes=w.pending_kv,
             pending_prefill_tokens=w.planned_tokens,
             learned=self.learn.prefill(v.worker_id) if self.learn is not None else None,
+            learned_step=self.learn.step(v.worker_id) if self.learn is not None else None,
         )
 
     def _fleet_now(self, now: float) -> Fleet:
@@ -589,7 +590,7 @@ class Simulator:
         w.kv_used -= r.prompt_tokens + r.output_tokens
         w.admitted -= 1
         if self.learn is not None:
-            self.learn.finished(i, out.first_s, now)
+            self.learn.finished(i, out.first_s, now, r.output_tokens)
         judge = self._judge
         if judge is not None and not judge.ttft_missed(out) and not judge.met(out):
             self._missed()  # a late first token was counted when it came

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hpd_scheduler.policy import LearnedSpeed, RoutePlan
+from hpd_scheduler.policy import LearnedSpeed, LearnedStep, RoutePlan
 from hpd_scheduler.policy.learning import SpeedLearner, samples_from
 
 __all__ = ["SimLearner"]
@@ -41,17 +41,22 @@ class SimLearner:
         self._planned_at: dict[int, float] = {}
         self._prefill_end: dict[int, float] = {}
         self._prior: tuple[int, LearnedSpeed | None] = (-1, None)
+        self._step_prior: tuple[int, LearnedStep | None] = (-1, None)
 
     def planned(self, i: int, plan: RoutePlan, now_s: float) -> None:
         e = plan.estimates
         self._plans[i] = {
             "mode": plan.mode.value,
             "prefill_worker_id": plan.prefill_worker_id,
+            "decode_worker_id": plan.decode_worker_id,
             "prefill_pool_id": plan.prefill_pool_id,
             "decode_pool_id": plan.decode_pool_id,
             "estimates": {
                 "prefill_nominal_ms": e.prefill_nominal_ms,
                 "prefill_ahead": e.prefill_ahead,
+                "decode_nominal_ms": e.decode_nominal_ms,
+                "decode_others": e.decode_others,
+                "decode_duty": e.decode_duty,
                 "kv_bytes": e.kv_bytes,
             },
         }
@@ -60,8 +65,9 @@ class SimLearner:
     def prefill_done(self, i: int, now_s: float) -> None:
         self._prefill_end[i] = now_s
 
-    def finished(self, i: int, first_s: float, now_s: float) -> None:
-        """Request ``i`` ended (its first token at ``first_s``): learn from it."""
+    def finished(self, i: int, first_s: float, now_s: float, output_tokens: int = 0) -> None:
+        """Request ``i`` ended (its first token at ``first_s``, ``output_tokens`` in all):
+        learn from it (its TPOT too, as the gateway measures it, with two tokens or more)."""
         plan = self._plans.pop(i, None)
         at = self._planned_at.pop(i, now_s)
         end = self._prefill_end.pop(i, 0.0)
@@ -72,12 +78,26 @@ class SimLearner:
             "success": True,
             "ttft_ms": ttft_ms,
             "prefill_ms": (end - at) * 1000.0 if plan["mode"] == "transfer" and end else ttft_ms,
+            "tpot_ms": (now_s - first_s) * 1000.0 / (output_tokens - 1)
+            if output_tokens > 1
+            else 0.0,
         }
-        worker = str(plan["prefill_worker_id"])
+        workers = {str(plan["prefill_worker_id"]), str(plan["decode_worker_id"])}
         for key, sample in samples_from(
-            plan, outcome, 1, {worker: _INCARNATION}, round(now_s * 1000)
+            plan, outcome, 1, dict.fromkeys(workers, _INCARNATION), round(now_s * 1000)
         ):
             self.learner.add(key, sample, _INCARNATION)
+
+    def step(self, worker_id: str) -> LearnedStep | None:
+        """Its own decode step fit, else the fleet's prior (as :meth:`prefill`)."""
+        own = self.learner.step(worker_id)
+        if own is not None:
+            return own
+        gen = self.learner.generation
+        if self._step_prior[0] != gen:
+            peers = {k[2:] for k in self.learner.fits}
+            self._step_prior = (gen, self.learner.step_prior(peers))
+        return self._step_prior[1]
 
     def prefill(self, worker_id: str) -> LearnedSpeed | None:
         """Its own fit, else the fleet's prior (one model: every worker's fits)."""

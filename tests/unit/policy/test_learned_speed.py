@@ -11,6 +11,7 @@ import pytest
 from hpd_scheduler.policy import (
     Fleet,
     LearnedSpeed,
+    LearnedStep,
     Link,
     LinkModel,
     Mode,
@@ -132,6 +133,35 @@ def test_a_worker_not_yet_measured_is_probed_one_request_at_a_time() -> None:
         got.append(d.plan.prefill_worker_id)
         again.reserve(d.plan.prefill_worker_id, 0, d.plan.prefill_tokens, 1)
     assert got.count("p-slow") >= 3, got
+
+
+def test_a_decode_step_learned_to_grow_with_the_batch_prices_tpot_and_admission() -> None:
+    """A decode engine whose step grows by 2 ms a sequence: its TPOT estimate carries it
+    (the report's clamped correction would not), the plan carries the step's terms, and
+    past the tier's TPOT limit the request goes to a decode worker that keeps it."""
+    step = LearnedStep(scale=2.0, seq_ms=2.0, samples=9)
+    views = [
+        worker("p", Stage.PREFILL, rack="r1"),
+        replace(worker("d-busy", Stage.DECODE, rack="r1"), learned_step=step),
+        replace(worker("d-free", Stage.DECODE, rack="r1"), learned_step=step),
+    ]
+    fleet = Fleet.build(views, NOW)
+    busy = fleet.worker("d-busy")
+    assert busy is not None
+    nominal = busy.cap.decode_step_ms(busy.ctx_tokens)
+    assert busy.step_ms() == pytest.approx(2.0 * nominal + 2.0 * busy.step_sequences())
+    for _ in range(40):  # 40 sequences reserved on d-busy: an 80 ms step
+        fleet.reserve("d-busy", 0, 0, 1)
+    d = Planner(DEFAULT).plan(request(500, 64, "interactive"), fleet, NOW, random.Random(0))
+    assert d.plan is not None
+    assert d.plan.decode_worker_id == "d-free"  # the interactive tier's 50 ms TPOT
+    e = d.plan.estimates
+    assert e.decode_others == pytest.approx(0.0)
+    free = fleet.worker("d-free")
+    assert free is not None
+    assert 2.0 * e.decode_nominal_ms + 2.0 * (1 + e.decode_others) == pytest.approx(
+        e.tpot_ms * (1.0 - free.duty), rel=1e-6
+    )
 
 
 def test_a_decode_worker_labelled_never_to_prefill_gets_transfers_however_slow() -> None:

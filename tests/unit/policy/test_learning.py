@@ -19,6 +19,7 @@ from hpd_scheduler.policy.learning import (
     prefill_key,
     queue_key,
     samples_from,
+    step_key,
 )
 
 TRUE_FIXED_MS = 80.0
@@ -289,3 +290,41 @@ def test_replicas_and_restarts_treat_queued_samples_as_the_rest() -> None:
     # the prior carries the share of the measured peers
     prior = a.prior(["p0", "new"])
     assert prior is not None and prior.queue_share == again.queue_share
+
+
+def test_an_outcome_teaches_the_decode_workers_step_from_its_tpot() -> None:
+    est = {"prefill_nominal_ms": 2.0, "decode_nominal_ms": 0.5, "decode_others": 3.0,
+           "decode_duty": 0.2}  # fmt: skip
+    plan: dict[str, Any] = {"mode": "transfer", "prefill_worker_id": "p0",
+                            "decode_worker_id": "d0", "estimates": est}  # fmt: skip
+    outcome = {"success": True, "ttft_ms": 150.0, "prefill_ms": 120.0, "tpot_ms": 10.0}
+    got = dict(samples_from(plan, outcome, 1_000, {"p0": 500, "d0": 600}, 2_000))
+    # the step itself: the TPOT less the share of time the engine spent prefilling
+    assert got[step_key("d0")] == Sample(0.5, 3.0, 8.0, 600, 2_000)
+    # no TPOT (one output token), or a plan older than the decode engine: no step sample
+    assert step_key("d0") not in dict(
+        samples_from(plan, {**outcome, "tpot_ms": 0.0}, 1_000, {"p0": 500, "d0": 600}, 0)
+    )
+    assert step_key("d0") not in dict(
+        samples_from(plan, outcome, 1_000, {"p0": 500, "d0": 5_000}, 0)
+    )
+
+
+def test_a_decode_step_that_grows_with_the_batch_is_learned() -> None:
+    """A CPU engine's step: 3x the declared read plus 0.8 ms per sequence in the batch."""
+    rng = random.Random(14)
+    learner = SpeedLearner()
+    assert learner.step("d0") is None and learner.step_prior(["d0"]) is None
+    for _ in range(16):
+        x, others = rng.uniform(0.2, 1.0), float(rng.randint(0, 30))
+        y = (3.0 * x + 0.8 * (1.0 + others)) * rng.gauss(1.0, 0.05)
+        learner.add(step_key("d0"), Sample(x, others, y, 7), 7)
+    got = learner.step("d0")
+    assert got is not None and got.samples == 16
+    assert got.scale == pytest.approx(3.0, rel=0.25)
+    assert got.seq_ms == pytest.approx(0.8, rel=0.15)
+    assert learner.prefill("d0") is None  # the decode step is no prefill speed
+    prior = learner.step_prior(["d0", "new"])
+    assert prior is not None and prior.samples == 0 and prior.seq_ms == got.seq_ms
+    learner.forget_incarnation("d0", 9)  # a new engine
+    assert learner.step("d0") is None

@@ -443,7 +443,7 @@ class BatchSizeRecommendation(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., current_max_batch_size: _Optional[int] = ..., recommended_max_batch_size: _Optional[int] = ..., change: _Optional[str] = ..., reason: _Optional[str] = ..., itl_p99_ms: _Optional[float] = ..., target_itl_ms: _Optional[float] = ...) -> None: ...
 
 class WorkerEstimate(_message.Message):
-    __slots__ = ("worker_id", "prefill_tokens_per_s", "itl_ms", "samples", "reserved_kv_bytes", "reserved_requests", "load", "learned_prefill_fixed_ms", "learned_prefill_scale", "learned_prefill_samples", "learned_prefill_queue_share")
+    __slots__ = ("worker_id", "prefill_tokens_per_s", "itl_ms", "samples", "reserved_kv_bytes", "reserved_requests", "load", "learned_prefill_fixed_ms", "learned_prefill_scale", "learned_prefill_samples", "learned_prefill_queue_share", "learned_decode_scale", "learned_decode_seq_ms", "learned_decode_samples")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     ITL_MS_FIELD_NUMBER: _ClassVar[int]
@@ -455,6 +455,9 @@ class WorkerEstimate(_message.Message):
     LEARNED_PREFILL_SCALE_FIELD_NUMBER: _ClassVar[int]
     LEARNED_PREFILL_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     LEARNED_PREFILL_QUEUE_SHARE_FIELD_NUMBER: _ClassVar[int]
+    LEARNED_DECODE_SCALE_FIELD_NUMBER: _ClassVar[int]
+    LEARNED_DECODE_SEQ_MS_FIELD_NUMBER: _ClassVar[int]
+    LEARNED_DECODE_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     prefill_tokens_per_s: float
     itl_ms: float
@@ -466,7 +469,10 @@ class WorkerEstimate(_message.Message):
     learned_prefill_scale: float
     learned_prefill_samples: int
     learned_prefill_queue_share: float
-    def __init__(self, worker_id: _Optional[str] = ..., prefill_tokens_per_s: _Optional[float] = ..., itl_ms: _Optional[float] = ..., samples: _Optional[int] = ..., reserved_kv_bytes: _Optional[int] = ..., reserved_requests: _Optional[int] = ..., load: _Optional[float] = ..., learned_prefill_fixed_ms: _Optional[float] = ..., learned_prefill_scale: _Optional[float] = ..., learned_prefill_samples: _Optional[int] = ..., learned_prefill_queue_share: _Optional[float] = ...) -> None: ...
+    learned_decode_scale: float
+    learned_decode_seq_ms: float
+    learned_decode_samples: int
+    def __init__(self, worker_id: _Optional[str] = ..., prefill_tokens_per_s: _Optional[float] = ..., itl_ms: _Optional[float] = ..., samples: _Optional[int] = ..., reserved_kv_bytes: _Optional[int] = ..., reserved_requests: _Optional[int] = ..., load: _Optional[float] = ..., learned_prefill_fixed_ms: _Optional[float] = ..., learned_prefill_scale: _Optional[float] = ..., learned_prefill_samples: _Optional[int] = ..., learned_prefill_queue_share: _Optional[float] = ..., learned_decode_scale: _Optional[float] = ..., learned_decode_seq_ms: _Optional[float] = ..., learned_decode_samples: _Optional[int] = ...) -> None: ...
 
 class LinkEstimate(_message.Message):
     __slots__ = ("src_pool_id", "dst_pool_id", "gbps", "samples")

@@ -57,7 +57,10 @@ class Estimates:
     and a local prefill's stall on the batch it joins). ``prefill_nominal_ms``: the
     declared cost model's time for the prefill work ahead and the request's own (before the
     worker's measured corrections), ``prefill_ahead`` the requests queued ahead: what the
-    learner (``LearnedSpeed``) fits the measured prefill phase against.
+    learner (``LearnedSpeed``) fits the measured prefill phase against;
+    ``decode_nominal_ms`` the declared step for the decode batch's context,
+    ``decode_others`` the other sequences sharing the step and ``decode_duty`` the decode
+    worker's prefill share of time, what it fits the measured TPOT against (``LearnedStep``).
     """
 
     kv_bytes: int
@@ -70,6 +73,9 @@ class Estimates:
     tpot_ms: float
     prefill_nominal_ms: float = 0.0
     prefill_ahead: float = 0.0
+    decode_nominal_ms: float = 0.0
+    decode_others: float = 0.0
+    decode_duty: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -129,6 +129,28 @@ class LearnedSpeed:
 
 
 @dataclass(frozen=True, slots=True)
+class LearnedStep:
+    """A worker's decode step as measured, not as declared (the learner fits it from the
+    TPOT the gateway measures, ``hpd_scheduler.policy.learning``): a step with ``n``
+    sequences in the batch takes ``scale x nominal_ms + seq_ms x n``, ``nominal_ms`` the
+    declared cost model's step for the batch's context (the weights and KV read), ``scale``
+    how many times slower than declared it reads them, ``seq_ms`` what each sequence adds
+    whatever its context (sampling, the engine's bookkeeping; on an engine that computes
+    rather than reads, most of it). ``samples``: how many outcomes it rests on. The
+    planner uses it in place of the report's clamped correction."""
+
+    scale: float
+    seq_ms: float
+    samples: int
+
+    def __post_init__(self) -> None:
+        if not (self.scale > 0 and self.seq_ms >= 0):
+            raise InvalidInputError(
+                "learned_step", f"scale must be > 0, seq_ms >= 0, got {self.scale}, {self.seq_ms}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerView:
     """One worker as the planner sees it: the worker's own spec (the one worker model,
     ``hpd_common.worker_model``, as the registry holds it) and what the scheduler knows
@@ -139,8 +161,9 @@ class WorkerView:
     this worker that the load report cannot show yet (requests planned but not started,
     and the prompt tokens of prefills planned here); they count as load
     (``WorkerState.backlog_tokens``; ``Fleet.build`` says which reported prefills they
-    stand for). ``learned``: the prefill speed measured from outcomes (None until there
-    are enough; the declared GPU figures and the report then apply).
+    stand for). ``learned``: the prefill speed measured from outcomes, ``learned_step`` the
+    decode step (each None until there are enough; the declared GPU figures and the report
+    then apply).
     ``hard_max_batch_size`` is the ceiling adaptive batching may raise
     the cap to (0: the spec's ``max_batch_size`` is also the hard ceiling).
 
@@ -160,6 +183,7 @@ class WorkerView:
     pending_kv_bytes: int = 0
     pending_prefill_tokens: int = 0
     learned: LearnedSpeed | None = None
+    learned_step: LearnedStep | None = None
     # the spec's figures as the planner reads them, set from ``spec`` alone (class docstring)
     stage: Stage = field(init=False)
     labels: Mapping[str, str] = field(init=False)

@@ -155,7 +155,9 @@ class Candidate:
                 + prompt
                 + request.expected_output_tokens * 0.5
             )
-            self.step_ms = (cap.weights_ms + (ws.ctx_tokens + extra) * cap.kv_ms_per_token) * ws.m_d
+            self.step_ms = (
+                cap.weights_ms + (ws.ctx_tokens + extra) * cap.kv_ms_per_token
+            ) * ws.m_d + ws.d_seq * (ws.batch + ws.queue + ws.live_reqs + 1)
         else:
             self.step_ms = 0.0
         self.factors: dict[str, float] = {}

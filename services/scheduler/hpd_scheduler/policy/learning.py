@@ -27,6 +27,19 @@ declaration beside measured ones looked tens of times faster than they did on re
 engines, so it drew requests it could not serve until its own fit arrived. Only a fleet
 with no fit at all is planned as declared.
 
+**The decode step** is fitted the same way from the TPOT the gateway measures, under the
+decode worker's ``step_key``: ``y = TPOT x (1 - duty)`` (the step itself: the plan's TPOT is
+the step stretched by the share of time the engine spends prefilling, ``duty``, which the
+plan records) against ``x`` the declared step for the batch's context (the plan's
+``decode_nominal_ms``) and ``ahead`` the other sequences sharing the step (its
+``decode_others``): ``y = scale x nominal + seq x (1 + others)``. The declared step is a
+roofline read of the weights and the KV, nearly flat in the batch; an engine whose step
+grows with every sequence (a CPU engine computes; a GPU one past its memory-bound batch)
+was planned at a fraction of its TPOT: the report's inter-token latency corrects the
+declared step within a 4x clamp, and on real CPU engines the step was 50-450x the
+declaration (bench/README.md, 2026-12-07): the planner admitted requests that then missed
+their TPOT by 25 % at the p90. It becomes the planner's ``LearnedStep``.
+
 The hand-off (KV transfer and the decode side's first step) is not fitted here: what the
 gateway measures after a prefill holds its own planning time and the KV session's, which
 made a learned hand-off look slower than recomputing on every decode worker (an emulated
@@ -92,7 +105,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .domain import LearnedSpeed
+from .domain import LearnedSpeed, LearnedStep
 
 __all__ = [
     "AHEAD_MAX",
@@ -110,6 +123,7 @@ __all__ = [
     "queue_key",
     "queue_share",
     "samples_from",
+    "step_key",
 ]
 
 WINDOW = 32
@@ -278,6 +292,11 @@ def prefill_key(worker_id: str) -> str:
     return f"p:{worker_id}"
 
 
+def step_key(worker_id: str) -> str:
+    """The key of a worker's decode step samples (``LearnedStep``)."""
+    return f"d:{worker_id}"
+
+
 def queue_key(worker_id: str) -> str:
     """The key of a worker's samples taken with a queue ahead (``queue_share``)."""
     return f"q:{worker_id}"
@@ -295,7 +314,8 @@ def samples_from(
     ahead (``AHEAD_MAX``), under ``queue_key``. Nothing from a failed outcome, from one
     served otherwise than planned (its terms were another worker's), from a plan without
     the nominal terms (made by an older scheduler) or made before its worker's current
-    incarnation."""
+    incarnation. And, from its TPOT, a sample of the decode worker's step under
+    ``step_key`` (``_step_sample``); ``incarnations`` holds both workers'."""
     if not outcome.get("success"):
         return []
     mode = plan.get("mode")
@@ -314,15 +334,40 @@ def samples_from(
     worker = str(plan.get("prefill_worker_id", ""))
     inc = incarnations.get(worker, 0)
     fresh = inc and created_at_ms >= inc
+    out = []
     if worker and nominal > 0 and y > 0 and fresh:
         key = prefill_key(worker) if ahead < AHEAD_MAX else queue_key(worker)
-        return [(key, Sample(nominal, max(ahead, 0.0), y, inc, now_ms).stored())]
-    return []
+        out.append((key, Sample(nominal, max(ahead, 0.0), y, inc, now_ms).stored()))
+    step = _step_sample(plan, est, outcome, created_at_ms, incarnations, now_ms)
+    return out if step is None else [*out, step]
+
+
+def _step_sample(
+    plan: Mapping[str, Any],
+    est: Mapping[str, Any],
+    outcome: Mapping[str, Any],
+    created_at_ms: int,
+    incarnations: Mapping[str, int],
+    now_ms: int,
+) -> tuple[str, Sample] | None:
+    """The decode step the outcome's TPOT measured (module docstring), or None: no TPOT
+    (one output token, or not reported), a plan without the step's terms, or a plan made
+    before the decode worker's current incarnation."""
+    tpot = float(outcome.get("tpot_ms") or 0.0)
+    nominal = float(est.get("decode_nominal_ms") or 0.0)
+    worker = str(plan.get("decode_worker_id", ""))
+    inc = incarnations.get(worker, 0)
+    if not (worker and tpot > 0 and nominal > 0 and inc and created_at_ms >= inc):
+        return None
+    duty = min(max(float(est.get("decode_duty") or 0.0), 0.0), 0.95)
+    others = max(float(est.get("decode_others") or 0.0), 0.0)
+    y = tpot * (1.0 - duty)
+    return step_key(worker), Sample(nominal, others, y, inc, now_ms).stored()
 
 
 class SpeedLearner:
     """The samples and fits of every worker (``prefill_key``; its queued samples under
-    ``queue_key`` set the fit's queue share).
+    ``queue_key`` set the fit's queue share; its decode step under ``step_key``).
 
     ``version[worker]`` increments when a worker's fit changes and ``generation`` when any
     does (a worker planned by the fleet's prior follows the others' fits), so cached views
@@ -351,6 +396,7 @@ class SpeedLearner:
         if key.startswith("q:"):
             self._reshare(key[2:], incarnation)
             return
+        # a prefill (p:) or decode step (d:) sample
         f = self.fits.get(key)
         n = self._since.get(key, 0) + 1
         if f is not None and f.samples >= WINDOW and n < REFIT_EVERY:
@@ -367,23 +413,29 @@ class SpeedLearner:
         """Every key's samples as the store holds them (oldest first)."""
         for key, got in stored.items():
             new = list(got)[-2 * WINDOW :]
-            if key[:2] in ("p:", "q:") and new != self.samples.get(key):
+            if key[:2] in ("p:", "q:", "d:") and new != self.samples.get(key):
                 self.samples[key] = new
                 inc = incarnations.get(key[2:], 0)
-                if key.startswith("p:"):
-                    self._refit(key, inc)
-                else:
+                if key.startswith("q:"):
                     self._reshare(key[2:], inc)
+                else:
+                    self._refit(key, inc)
 
     def forget_incarnation(self, worker_id: str, incarnation: int) -> None:
-        """The worker registered anew: its fit of an earlier engine no longer applies."""
+        """The worker registered anew: its fits of an earlier engine no longer apply."""
         key = prefill_key(worker_id)
         if key in self.samples or key in self.fits or queue_key(worker_id) in self.samples:
+            self._refit(key, incarnation)
+        key = step_key(worker_id)
+        if key in self.samples or key in self.fits:
             self._refit(key, incarnation)
 
     def _refit(self, key: str, incarnation: int) -> None:
         pts = [s for s in self.samples.get(key, []) if s.inc == incarnation]
         base = fit(pts)
+        if key.startswith("d:"):
+            self._set(key, base)
+            return
         if base is None:
             self._base.pop(key, None)
         else:
@@ -395,14 +447,16 @@ class SpeedLearner:
         key = prefill_key(worker_id)
         base = self._base.get(key)
         queued = [s for s in self.samples.get(queue_key(worker_id), []) if s.inc == incarnation]
-        new = None if base is None else queue_share(base, queued)
+        self._set(key, None if base is None else queue_share(base, queued))
+
+    def _set(self, key: str, new: Fit | None) -> None:
         if new == self.fits.get(key):
             return
         if new is None:
             self.fits.pop(key, None)
         else:
             self.fits[key] = new
-        self.version[worker_id] = self.version.get(worker_id, 0) + 1
+        self.version[key[2:]] = self.version.get(key[2:], 0) + 1
         self.generation += 1
 
     def prefill(self, worker_id: str) -> LearnedSpeed | None:
@@ -410,6 +464,20 @@ class SpeedLearner:
         if f is None:
             return None
         return LearnedSpeed(f.fixed_ms, f.scale, f.samples, f.queue_share)
+
+    def step(self, worker_id: str) -> LearnedStep | None:
+        """The worker's decode step as fitted (``fixed`` of the fit is the step's cost per
+        sequence), or None before it has one."""
+        f = self.fits.get(step_key(worker_id))
+        return None if f is None else LearnedStep(f.scale, f.fixed_ms, f.samples)
+
+    def step_prior(self, worker_ids: Iterable[str]) -> LearnedStep | None:
+        """The decode step a worker without a fit is planned at: the median of its model's
+        fits (as ``prior``), 0 samples of its own; None when none has one."""
+        fits = [f for w in worker_ids if (f := self.fits.get(step_key(w))) is not None]
+        if not fits:
+            return None
+        return LearnedStep(_median([f.scale for f in fits]), _median([f.fixed_ms for f in fits]), 0)
 
     def prior(self, worker_ids: Iterable[str]) -> LearnedSpeed | None:
         """The speed a worker without a fit is planned at: the median fixed cost, scale

@@ -465,7 +465,7 @@ def solo_step_ms(o: Option, request: Request) -> float:
     and half its output resident; the same figures as ``Candidate.step_ms``)."""
     ws = o.d.ws
     own = request.prompt_tokens + request.expected_output_tokens * 0.5
-    return ws.cap.decode_step_ms(own) * ws.m_d
+    return ws.cap.decode_step_ms(own) * ws.m_d + ws.d_seq
 
 
 def _too_slow_alone(o: Option, request: Request, limit_ms: float) -> bool:

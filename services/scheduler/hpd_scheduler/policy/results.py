@@ -20,6 +20,10 @@ def plan_of(o: Option, request: Request, need: ResourceNeed) -> RoutePlan:
     # costs it priced (the request's own and the queue's share of theirs)
     fixed = ws.p_fixed + (ws.backlog_tokens + ws.live_tokens) * ws.fixed_per_token
     nominal = (p.wait_ms + p.run_ms - fixed) / ws.m_p
+    # the declared model's decode step: the estimate less the learned cost per sequence
+    dws = d.ws
+    seqs = dws.step_sequences()
+    step_nominal = (d.step_ms - dws.d_seq * seqs) / dws.m_d if d.step_ms > 0 else 0.0
     return RoutePlan(
         resource_need=need,
         mode=o.mode,
@@ -43,6 +47,9 @@ def plan_of(o: Option, request: Request, need: ResourceNeed) -> RoutePlan:
             tpot_ms=o.tpot_ms or d.step_ms,
             prefill_nominal_ms=max(nominal, 0.0),
             prefill_ahead=ahead,
+            decode_nominal_ms=max(step_nominal, 0.0),
+            decode_others=float(seqs - 1),
+            decode_duty=dws.duty,
         ),
     )
 

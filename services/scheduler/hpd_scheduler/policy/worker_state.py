@@ -37,6 +37,7 @@ class WorkerState:
         "cap",
         "conf",
         "ctx_tokens",
+        "d_seq",
         "duty",
         "fixed_per_token",
         "gpu_util",
@@ -123,13 +124,8 @@ class WorkerState:
         self.p_fixed = 0.0
         self.fixed_per_token = 0.0
         self.m_p = self._prefill_scale(view, cap)
-        m_d = 1.0
-        c = self.conf
-        if self.itl_p50_ms > 0 and c > 0:
-            nominal = cap.decode_step_ms(self.ctx_tokens)
-            ratio = min(max(self.itl_p50_ms / nominal, _CLAMP_LO), _CLAMP_HI)
-            m_d = c * ratio + (1.0 - c)
-        self.m_d = m_d
+        self.d_seq = 0.0
+        self.m_d = self._decode_scale(view, cap)
         self.live_reqs = 0
         self.live_kv = 0
         self.live_tokens = 0
@@ -159,6 +155,23 @@ class WorkerState:
         reported_tps: float = load.prefill_tokens_per_s if load is not None else 0.0
         if reported_tps > 0 and c > 0:
             ratio = min(max(cap.prefill_tps / reported_tps, _CLAMP_LO), _CLAMP_HI)
+            return c * ratio + (1.0 - c)
+        return 1.0
+
+    def _decode_scale(self, view: WorkerView, cap: Capacity) -> float:
+        """The factor on the declared decode step (``m_d``), setting the cost per sequence.
+
+        The step as measured (``LearnedStep``): the declared step's scale, unclamped, and a
+        cost per sequence in the batch (``d_seq``). Without it the report's inter-token
+        latency corrects the declared step within a clamp, weighed by its freshness."""
+        step = view.learned_step
+        if step is not None:
+            self.d_seq = step.seq_ms
+            return step.scale
+        c = self.conf
+        if self.itl_p50_ms > 0 and c > 0:
+            nominal = cap.decode_step_ms(self.ctx_tokens)
+            ratio = min(max(self.itl_p50_ms / nominal, _CLAMP_LO), _CLAMP_HI)
             return c * ratio + (1.0 - c)
         return 1.0
 
@@ -241,12 +254,19 @@ class WorkerState:
         return step_ms / (1.0 - self.duty)
 
     def step_ms(self, extra_context_tokens: float = 0.0) -> float:
-        """Predicted decode step (ITL) in ms with ``extra_context_tokens`` more KV resident:
-        ``(weights read + context x kv ms/token) x m_d``."""
+        """Predicted decode step (ITL) in ms with ``extra_context_tokens`` more KV resident
+        and one more sequence: ``(weights read + context x kv ms/token) x m_d + d_seq x
+        sequences`` (the running batch, the queued and reserved ones, and this one; ``d_seq``
+        is 0 until the step is learned)."""
         cap = self.cap
         return (
             cap.weights_ms + (self.ctx_tokens + extra_context_tokens) * cap.kv_ms_per_token
-        ) * self.m_d
+        ) * self.m_d + self.d_seq * self.step_sequences()
+
+    def step_sequences(self) -> int:
+        """The sequences a new one shares a decode step with, itself included: the running
+        batch, the queued and reserved ones, and it."""
+        return self.batch + self.queue + self.live_reqs + 1
 
 
 _GRID_LOG = math.log(1.25)

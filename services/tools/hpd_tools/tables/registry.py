@@ -197,7 +197,7 @@ def watch_main(argv: Sequence[str]) -> int:
     return 0
 
 
-WIDE_HEADERS = ["ITL", "PREFILL (LEARNED)"]
+WIDE_HEADERS = ["ITL", "PREFILL (LEARNED)", "DECODE STEP (LEARNED)"]
 
 
 def learned_text(e: s.WorkerEstimate | None) -> str:
@@ -212,6 +212,19 @@ def learned_text(e: s.WorkerEstimate | None) -> str:
     return (
         f"{e.learned_prefill_fixed_ms:.0f}ms/req + {e.learned_prefill_scale:.3g}x declared, "
         f"{e.learned_prefill_queue_share:.2g} queued ({e.learned_prefill_samples})"
+    )
+
+
+def learned_step_text(e: s.WorkerEstimate | None) -> str:
+    """``3.1x declared + 0.42ms/seq (9)``: a worker's learned decode step (``-`` before it
+    has one, ``?`` when the scheduler did not answer)."""
+    if e is None:
+        return "?"
+    if not e.learned_decode_samples:
+        return "- (declared)"
+    return (
+        f"{e.learned_decode_scale:.3g}x declared + {e.learned_decode_seq_ms:.2f}ms/seq "
+        f"({e.learned_decode_samples})"
     )
 
 
@@ -230,7 +243,7 @@ def wide_rows(
             est: s.WorkerEstimate | None = None
         else:
             est = estimates.get(wid, s.WorkerEstimate(worker_id=wid))
-        out.append([*row, itl, learned_text(est)])
+        out.append([*row, itl, learned_text(est), learned_step_text(est)])
     return out
 
 
