@@ -9,9 +9,12 @@ would write it from a running one (``cluster_of``):
   from the KV format; parameters and attention width from their labels);
 * each engine one pool of one worker, its GPU what every agent declared;
 * each engine's ``actual`` speed: its prefill as the scheduler's learner fitted it (fixed
-  cost per request and scale of the declared compute), or, for an engine our arm never
-  used (it has no fit), its unloaded TTFT as the fixed cost; its decode step as its
-  unloaded TPOT over the declared step at the mix's mean context.
+  cost per request, scale of the declared compute, the share of the fixed cost each queued
+  prompt adds), or, for an engine our arm never used (it has no fit), its unloaded TTFT as
+  the fixed cost; its decode step as the learner fitted it (scale of the declared step and
+  a cost per sequence), or its unloaded TPOT over the declared step at the mix's mean
+  context; its prefill iterations batched up to the engine's token budget
+  (``ENGINE_BATCH_TOKENS``), as vLLM's scheduler batches queued prompts.
 
 The simulator then replays the requests of the rate where our goodput peaked, with the
 default profile and the benchmark's tier, learning from its own outcomes as the service
@@ -38,7 +41,12 @@ from hpd_scheduler.policy import parse_profile
 from hpd_sim import SimConfig, Slo, attainment, parse_cluster, simulate
 from hpd_sim.traces import TraceRequest
 
-__all__ = ["cluster_of", "sim_goodput"]
+__all__ = ["ENGINE_BATCH_TOKENS", "cluster_of", "sim_goodput"]
+
+ENGINE_BATCH_TOKENS = 2048
+"""The prompt tokens one of the fleet's engines prefills in a step: vLLM's
+``max_num_batched_tokens`` as its CPU build sets it for an API server (the fleet file does
+not set it; a fleet file that did would be read here)."""
 
 
 def cluster_of(
@@ -69,6 +77,7 @@ def cluster_of(
             s.GetRecommendationsRequest(), timeout=10
         )
     learned = {e.worker_id: e for e in recs.workers if e.learned_prefill_samples}
+    steps = {e.worker_id: e for e in recs.workers if e.learned_decode_samples}
     d = fleet.declare
     spec = perfmodel.ModelSpec(
         model["name"], model["params_b"], num_layers=model["num_layers"],
@@ -84,16 +93,23 @@ def cluster_of(
         est = learned.get(e.name)
         if est is not None:
             actual = {"prefill_scale": est.learned_prefill_scale,
-                      "prefill_fixed_ms": est.learned_prefill_fixed_ms}  # fmt: skip
+                      "prefill_fixed_ms": est.learned_prefill_fixed_ms,
+                      "prefill_queue_share": est.learned_prefill_queue_share}  # fmt: skip
         else:
             actual = {"prefill_scale": 1.0, "prefill_fixed_ms": figures.get("ttft_ms_p50", 0.0)}
-        declared = GpuProfile(d.gpu_type, d.peak_tflops, 0.0, hbm_gib, d.hbm_gbps, 0.0, 0.0)
-        step = perfmodel.decode_step_ms(spec, declared, 1, 1, round(mean_context))
-        tpot = figures.get("tpot_ms_p50", 0.0)
-        actual["decode_scale"] = max(tpot / step, 1e-3) if tpot and step > 0 else 1.0
+        step_est = steps.get(e.name)
+        if step_est is not None:
+            actual["decode_scale"] = step_est.learned_decode_scale
+            actual["decode_seq_ms"] = step_est.learned_decode_seq_ms
+        else:
+            declared = GpuProfile(d.gpu_type, d.peak_tflops, 0.0, hbm_gib, d.hbm_gbps, 0.0, 0.0)
+            step = perfmodel.decode_step_ms(spec, declared, 1, 1, round(mean_context))
+            tpot = figures.get("tpot_ms_p50", 0.0)
+            actual["decode_scale"] = max(tpot / step, 1e-3) if tpot and step > 0 else 1.0
         pools.append({
             "id": e.name, "gpu": gpu, "count": 1, "tp": 1, "stage": "both", "zone": "local",
             "kv_connector": e.connector == "nixl", "actual": actual,
+            "prefill_batch_tokens": ENGINE_BATCH_TOKENS,
         })  # fmt: skip
     return {"name": "real-fleet", "model": model, "pools": pools}
 

@@ -23,10 +23,16 @@ A cluster document::
         kv_connector: true            # optional; false: its engines run no KV connector
                                       # (plain engines: no transfer in or out, label
                                       # kv-role=none as `hpd agent --kv-role none` sets)
+        prefill_batch_tokens: 0       # optional: prompt tokens one prefill iteration takes
+                                      # (vLLM's max_num_batched_tokens; 0: one prompt an
+                                      # iteration, the prompts that fit whole otherwise)
         actual:                       # optional: how its engines really run against what
           prefill_scale: 1.0          # they declare (the GPU above): prefill compute x,
           prefill_fixed_ms: 0.0       # + ms per prefill, decode step x. The scheduler sees
           decode_scale: 1.0           # the declaration and learns the rest from outcomes
+          decode_seq_ms: 0.0          # + ms per sequence in a decode step
+          prefill_queue_share: 1.0    # each further prompt of a batched prefill iteration
+                                      # adds this share of prefill_fixed_ms (0-1)
     links:                            # the policy core's LinkModel document
       classes: {cross_zone: {gbps: 25, latency_ms: 2.0}}
       pools: [{src: h100-prefill-a, dst: l40s-decode-b, gbps: 50, latency_ms: 1.0}]
@@ -101,6 +107,9 @@ class PoolSpec:
     prefill_scale: float = 1.0
     prefill_fixed_ms: float = 0.0
     decode_scale: float = 1.0
+    decode_seq_ms: float = 0.0
+    prefill_queue_share: float = 1.0
+    prefill_batch_tokens: int = 0
 
     @property
     def labels(self) -> dict[str, str]:
@@ -249,8 +258,15 @@ _POOL_KEYS = {
     "price_per_gpu_hour",
     "kv_connector",
     "actual",
+    "prefill_batch_tokens",
 }
-_ACTUAL_KEYS = ("prefill_scale", "prefill_fixed_ms", "decode_scale")
+_ACTUAL_KEYS = (
+    "prefill_scale",
+    "prefill_fixed_ms",
+    "decode_scale",
+    "decode_seq_ms",
+    "prefill_queue_share",
+)
 _TOP_KEYS = {"name", "model", "efficiency", "defaults", "pools", "links", "description"}
 
 
@@ -310,6 +326,13 @@ def _pool(raw: Any, key: str, defaults: Mapping[str, Any], seen: set[str]) -> Po
         prefill_scale=float(_num(actual.get("prefill_scale", 1.0), f"{key}.actual", 1e-6)),
         prefill_fixed_ms=float(_num(actual.get("prefill_fixed_ms", 0.0), f"{key}.actual", 0.0)),
         decode_scale=float(_num(actual.get("decode_scale", 1.0), f"{key}.actual", 1e-6)),
+        decode_seq_ms=float(_num(actual.get("decode_seq_ms", 0.0), f"{key}.actual", 0.0)),
+        prefill_queue_share=float(
+            _num(actual.get("prefill_queue_share", 1.0), f"{key}.actual", 0.0, 1.0)
+        ),
+        prefill_batch_tokens=_num(
+            raw.get("prefill_batch_tokens", 0), f"{key}.prefill_batch_tokens", 0, integer=True
+        ),
     )
 
 

@@ -98,9 +98,21 @@ _EPS_BITS = 1e-3
 # size: one event loop: its handlers share the clock, the event heap and the worker table,
 # and an event's path (arrival, plan, admission, transfer, first token, steps, finish) reads
 # in one place; the run's values are in outcomes.py and its moving parts in resources.py
-def _actual(pool: PoolSpec) -> tuple[float, float, float]:
-    """How the pool's engines really run: (prefill x, + prefill ms, decode x)."""
-    return (pool.prefill_scale, pool.prefill_fixed_ms, pool.decode_scale)
+def _actual(pool: PoolSpec) -> tuple[float, float, float, float, float, int]:
+    """How the pool's engines really run: (prefill x, + prefill ms, decode x, + decode ms
+    per sequence, the share of the fixed prefill cost each further prompt of a batched
+    prefill iteration adds, the iteration's prompt-token budget)."""
+    return (
+        pool.prefill_scale,
+        pool.prefill_fixed_ms,
+        pool.decode_scale,
+        pool.decode_seq_ms,
+        pool.prefill_queue_share,
+        pool.prefill_batch_tokens,
+    )
+
+
+_AS_DECLARED = (1.0, 0.0, 1.0, 0.0, 1.0, 0)
 
 
 class Simulator:
@@ -150,7 +162,7 @@ class Simulator:
         ]
         learn = self.config.learn
         if learn is None:
-            learn = any(_actual(p) != (1.0, 0.0, 1.0) for p in cluster.pools)
+            learn = any(_actual(p)[:4] != _AS_DECLARED[:4] for p in cluster.pools)
         self.learn = SimLearner() if learn else None
         self.by_id = {w.view.worker_id: w for w in self.workers}
         bt = self.config.prefix_block_tokens
@@ -488,29 +500,18 @@ class Simulator:
         if w.busy:
             return
         if w.prefill_q:
-            i = w.prefill_q.popleft()
-            r = self.requests[i]
-            cached = 0
-            if self._prefix and r.hash_ids:
-                cached = cached_tokens(
-                    r.hash_ids,
-                    self.prefix.held(w.view.worker_id),
-                    self.config.prefix_block_tokens,
-                    r.prompt_tokens,
-                )
-                self._hold(w, r.hash_ids)
-            self._cached_tokens += cached
-            self._prefill_tokens += r.prompt_tokens
-            dur = perfmodel.prefill_ms(
-                self.model, w.gpu, w.tp, r.prompt_tokens - cached, self.eff, cached
-            )
-            dur = dur * w.p_scale + w.p_fixed_ms
+            batch = self._prefill_batch(w)
+            dur = 0.0
+            for i in batch:
+                dur += self._prefill_compute_ms(w, i)
+            dur = dur * w.p_scale + w.p_fixed_ms * (1.0 + w.p_share * (len(batch) - 1))
             w.iter_kind = 0
-            w.iter_payload = i
+            w.iter_payload = batch[0]
+            w.iter_batch = batch
             w.busy = True
             self._set_active(w, True, now)
             self._set_prefill(w, True, now)
-            self._push(now + dur * 1e-3, _ITER, w.idx, i)
+            self._push(now + dur * 1e-3, _ITER, w.idx, batch[0])
             return
         if w.joiners:
             sc = w.step_count
@@ -528,7 +529,7 @@ class Simulator:
             dur = perfmodel.decode_step_ms(
                 self.model, w.gpu, w.tp, w.batch, w.ctx, self.eff, w.dtype
             )
-            dur *= w.d_scale
+            dur = dur * w.d_scale + w.d_seq_ms * w.batch
             w.iter_kind = 1
             w.step_start = now
             w.busy = True
@@ -539,23 +540,58 @@ class Simulator:
         self._set_active(w, False, now)
         self._set_prefill(w, False, now)
 
+    def _prefill_batch(self, w: SimWorker) -> list[int]:
+        """The prompts of the next prefill iteration, from the head of the queue: one, or
+        with a token budget (``p_budget``, as vLLM's ``max_num_batched_tokens``) as many as
+        fit in it whole (a longer first prompt goes alone; chunking it is not modelled)."""
+        batch = [w.prefill_q.popleft()]
+        if w.p_budget > 0:
+            used = self.requests[batch[0]].prompt_tokens
+            q = w.prefill_q
+            while q and used + self.requests[q[0]].prompt_tokens <= w.p_budget:
+                used += self.requests[q[0]].prompt_tokens
+                batch.append(q.popleft())
+        return batch
+
+    def _prefill_compute_ms(self, w: SimWorker, i: int) -> float:
+        """The declared compute of request ``i``'s prefill on ``w`` (its cached prefix
+        not recomputed), counting its tokens and holding its blocks."""
+        r = self.requests[i]
+        cached = 0
+        if self._prefix and r.hash_ids:
+            cached = cached_tokens(
+                r.hash_ids,
+                self.prefix.held(w.view.worker_id),
+                self.config.prefix_block_tokens,
+                r.prompt_tokens,
+            )
+            self._hold(w, r.hash_ids)
+        self._cached_tokens += cached
+        self._prefill_tokens += r.prompt_tokens
+        return perfmodel.prefill_ms(
+            self.model, w.gpu, w.tp, r.prompt_tokens - cached, self.eff, cached
+        )
+
     def _iter_done(self, w: SimWorker, now: float) -> None:
-        w.busy = False
         if w.iter_kind == 0:
-            i = w.iter_payload
-            _, d_idx, local = self._plans[i]
-            w.planned_n -= 1
-            w.planned_tokens -= self._planned_tokens.pop(i)
-            if self.learn is not None:
-                self.learn.prefill_done(i, now)
-            if local:
-                self._first_token(i, w, now)
-            else:
-                dw = self.workers[d_idx]
-                dw.pending_reqs -= 1
-                dw.admit_q.append(i)
-                self._admit(dw, now)
+            # still busy while the batch's requests move on, so that none of them starts
+            # the worker's next iteration before the others have joined
+            for i in w.iter_batch:
+                _, d_idx, local = self._plans[i]
+                w.planned_n -= 1
+                w.planned_tokens -= self._planned_tokens.pop(i)
+                if self.learn is not None:
+                    self.learn.prefill_done(i, now)
+                if local:
+                    self._first_token(i, w, now)
+                else:
+                    dw = self.workers[d_idx]
+                    dw.pending_reqs -= 1
+                    dw.admit_q.append(i)
+                    self._admit(dw, now)
+            w.busy = False
         else:
+            w.busy = False
             w.step_count += 1
             w.ctx += w.batch
             w.step_ends.append(now)

@@ -55,11 +55,13 @@ class SimWorker:
         "busy_total",
         "ctx",
         "d_scale",
+        "d_seq_ms",
         "dtype",
         "finish_heap",
         "gpu",
         "idx",
         "in_prefill",
+        "iter_batch",
         "iter_kind",
         "iter_payload",
         "itl",
@@ -67,8 +69,10 @@ class SimWorker:
         "kv_cap",
         "kv_used",
         "max_batch",
+        "p_budget",
         "p_fixed_ms",
         "p_scale",
+        "p_share",
         "pduty",
         "pduty_t",
         "pending_kv",
@@ -90,14 +94,17 @@ class SimWorker:
         idx: int,
         view: WorkerView,
         gpu: GpuProfile,
-        actual: tuple[float, float, float] = (1.0, 0.0, 1.0),
+        actual: tuple[float, float, float, float, float, int] = (1.0, 0.0, 1.0, 0.0, 1.0, 0),
     ) -> None:
         self.idx = idx
         self.view = view
         self.gpu = gpu
         # how the engine really runs against its declaration (a cluster pool's ``actual``):
-        # prefill compute x p_scale + p_fixed_ms, decode step x d_scale
-        self.p_scale, self.p_fixed_ms, self.d_scale = actual
+        # prefill compute x p_scale + p_fixed_ms (each further prompt of a batched prefill
+        # iteration p_share of it, the iteration at most p_budget prompt tokens; 0: one
+        # prompt an iteration), decode step x d_scale + d_seq_ms per sequence
+        self.p_scale, self.p_fixed_ms, self.d_scale, self.d_seq_ms, self.p_share = actual[:5]
+        self.p_budget = actual[5]
         self.dtype = view.kv_format.dtype
         self.active = False
         self.tp = view.tp_size
@@ -118,6 +125,7 @@ class SimWorker:
         self.busy = False
         self.iter_kind = 0
         self.iter_payload = -1
+        self.iter_batch: list[int] = []
         self.itl: deque[float] = deque(maxlen=ITL_WINDOW)
         self.pending_kv = 0
         self.pending_reqs = 0

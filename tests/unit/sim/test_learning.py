@@ -80,3 +80,62 @@ def test_a_cluster_may_describe_a_model_and_gpu_the_tables_do_not_know() -> None
     done = [o for o in res.outcomes if not o.rejected]
     assert len(done) == len(small)
     assert min(o.ttft_ms for o in done) >= 15.0  # the fixed cost the pool really pays
+
+
+def _cpu_pool(**extra: object) -> dict[str, object]:
+    actual = {"prefill_fixed_ms": 100.0, "decode_scale": 20.0}
+    actual.update(extra.pop("actual", {}))  # type: ignore[call-overload]
+    return {"id": "cpu", "gpu": {"name": "cpu-core", "peak_tflops": 0.5, "hbm_gbps": 20,
+            "hbm_gib": 1.2}, "stage": "both", "kv_connector": False, "actual": actual,
+            **extra}  # fmt: skip
+
+
+def _together(doc: dict[str, object], n: int) -> list[float]:
+    from hpd_sim.traces import TraceRequest
+
+    model = {"name": "tiny", "params_b": 0.003, "num_layers": 2, "num_kv_heads": 2,
+             "head_dim": 32, "hidden_size": 128}  # fmt: skip
+    cluster = parse_cluster({"model": model, **doc})
+    reqs = [TraceRequest(0.0, 400, 4) for _ in range(n)]
+    res = simulate(cluster, DEFAULT, reqs, SimConfig(seed=0, learn=False))
+    assert not any(o.rejected for o in res.outcomes)
+    return sorted(o.ttft_ms for o in res.outcomes)
+
+
+def test_an_engine_that_batches_prefills_serves_queued_prompts_in_one_iteration() -> None:
+    """``prefill_batch_tokens`` (vLLM's token budget a step): prompts that arrive together
+    and fit share one prefill iteration, paying ``prefill_queue_share`` of the fixed cost
+    each after the first; without it they go one an iteration."""
+    serial = _together({"pools": [_cpu_pool()]}, 4)
+    batched = _together(
+        {"pools": [_cpu_pool(prefill_batch_tokens=2048, actual={"prefill_queue_share": 0.25})]},
+        4,
+    )
+    # one at a time: the last waits for three fixed costs before its own
+    assert serial[-1] >= 4 * 100.0
+    # the first finds the engine idle and starts alone; the three queued behind it share
+    # the next iteration: 100 ms + 2 x 25 ms of fixed cost, the same first token for all
+    assert batched[0] == serial[0]
+    assert batched[-1] - batched[1] < 1.0
+    assert batched[1] >= batched[0] + 150.0
+    assert batched[-1] < 0.7 * serial[-1]
+    # a budget smaller than two prompts is one prompt an iteration again
+    tight = _together({"pools": [_cpu_pool(prefill_batch_tokens=500)]}, 4)
+    assert tight[-1] == serial[-1]
+
+
+def test_a_decode_step_can_grow_with_each_sequence() -> None:
+    """``decode_seq_ms``: every sequence in the batch adds to the step, as on an engine
+    that computes its decode (a CPU engine) rather than reads it."""
+    from hpd_sim.traces import TraceRequest
+
+    model = {"name": "tiny", "params_b": 0.003, "num_layers": 2, "num_kv_heads": 2,
+             "head_dim": 32, "hidden_size": 128}  # fmt: skip
+    reqs = [TraceRequest(0.0, 100, 32) for _ in range(8)]
+    tpots = []
+    for seq in (0.0, 5.0):
+        cluster = parse_cluster({"model": model, "pools": [
+            _cpu_pool(actual={"prefill_fixed_ms": 1.0, "decode_seq_ms": seq})]})  # fmt: skip
+        res = simulate(cluster, DEFAULT, reqs, SimConfig(seed=0, learn=False))
+        tpots.append(max(o.tpot_ms for o in res.outcomes if not o.rejected))
+    assert tpots[1] > tpots[0] + 5.0 * 4  # at least half the batch's sequences, 5 ms each
