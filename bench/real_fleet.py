@@ -78,6 +78,7 @@ from typing import IO, Any
 import aiohttp
 import grpc
 import yaml
+from google.protobuf.json_format import MessageToDict
 
 from hetero_pd.v1 import scheduler_pb2 as s
 from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
@@ -236,6 +237,8 @@ def estimate_ratios(
                 continue
             rec = got.record
             est = rec.plan.estimates
+            if dump is not None and not rec.HasField("outcome"):
+                dump.write(json.dumps(refusal_row(rid, rec)) + "\n")
             if rec.HasField("outcome") and rec.outcome.success and est.ttft_ms > 0:
                 out.append((rid, rec.outcome.ttft_ms / est.ttft_ms, est.prefill_wait_ms > 0))
                 if dump is not None:
@@ -248,6 +251,19 @@ def estimate_ratios(
                     }  # fmt: skip
                     dump.write(json.dumps(row) + "\n")
     return out
+
+
+def refusal_row(rid: str, rec: s.RouteRecord) -> dict[str, Any]:
+    """A request the scheduler refused (or whose outcome never came), for the dump: its
+    decision, reasons and each worker the planner dropped with why."""
+    expl = MessageToDict(rec.explanation)
+    return {
+        "rid": rid, "decision": s.RouteDecision.Name(rec.decision),
+        "reasons": list(rec.reject_reasons), "class": rec.reject_class,
+        "dropped": [f"{w.get('worker_id')}:{w.get('reason')}"
+                    for w in expl.get("rejected_workers", [])],
+        "notes": [n for n in expl.get("notes", []) if "speed" in n or "step" in n],
+    }  # fmt: skip
 
 
 # -- figures ------------------------------------------------------------------------------
