@@ -103,7 +103,7 @@ def head_of(
                 "prefill_ahead": _r(e.prefill_ahead),
                 "decode_nominal_ms": float(f"{e.decode_nominal_ms:.6g}"),  # can be tiny
                 "decode_others": _r(e.decode_others),
-                "decode_duty": _r(e.decode_duty),
+                "decode_step_ms": _r(e.decode_step_ms),
             },
             "fallbacks": [f.to_dict() for f in chain],
         }

@@ -56,7 +56,8 @@ class SimLearner:
                 "prefill_ahead": e.prefill_ahead,
                 "decode_nominal_ms": e.decode_nominal_ms,
                 "decode_others": e.decode_others,
-                "decode_duty": e.decode_duty,
+                "decode_step_ms": e.decode_step_ms,
+                "tpot_ms": e.tpot_ms,
                 "kv_bytes": e.kv_bytes,
             },
         }

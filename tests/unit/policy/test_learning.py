@@ -294,13 +294,16 @@ def test_replicas_and_restarts_treat_queued_samples_as_the_rest() -> None:
 
 def test_an_outcome_teaches_the_decode_workers_step_from_its_tpot() -> None:
     est = {"prefill_nominal_ms": 2.0, "decode_nominal_ms": 0.5, "decode_others": 3.0,
-           "decode_duty": 0.2}  # fmt: skip
+           "decode_step_ms": 6.0, "tpot_ms": 8.0}  # fmt: skip
     plan: dict[str, Any] = {"mode": "transfer", "prefill_worker_id": "p0",
                             "decode_worker_id": "d0", "estimates": est}  # fmt: skip
     outcome = {"success": True, "ttft_ms": 150.0, "prefill_ms": 120.0, "tpot_ms": 10.0}
     got = dict(samples_from(plan, outcome, 1_000, {"p0": 500, "d0": 600}, 2_000))
-    # the step itself: the TPOT less the share of time the engine spent prefilling
+    # the step itself: the TPOT less what the plan added to its step (8 - 6 ms)
     assert got[step_key("d0")] == Sample(0.5, 3.0, 8.0, 600, 2_000)
+    # the plan's own terms past the whole TPOT leave nothing to fit
+    over = {**plan, "estimates": {**est, "tpot_ms": 20.0}}
+    assert step_key("d0") not in dict(samples_from(over, outcome, 1_000, {"p0": 500, "d0": 600}, 0))
     # no TPOT (one output token), or a plan older than the decode engine: no step sample
     assert step_key("d0") not in dict(
         samples_from(plan, {**outcome, "tpot_ms": 0.0}, 1_000, {"p0": 500, "d0": 600}, 0)

@@ -59,8 +59,9 @@ class Estimates:
     worker's measured corrections), ``prefill_ahead`` the requests queued ahead: what the
     learner (``LearnedSpeed``) fits the measured prefill phase against;
     ``decode_nominal_ms`` the declared step for the decode batch's context,
-    ``decode_others`` the other sequences sharing the step and ``decode_duty`` the decode
-    worker's prefill share of time, what it fits the measured TPOT against (``LearnedStep``).
+    ``decode_others`` the other sequences sharing the step and ``decode_step_ms`` the step
+    predicted (``tpot_ms`` is it stretched by prefills and stalls), what it fits the
+    measured TPOT against (``LearnedStep``).
     """
 
     kv_bytes: int
@@ -75,7 +76,7 @@ class Estimates:
     prefill_ahead: float = 0.0
     decode_nominal_ms: float = 0.0
     decode_others: float = 0.0
-    decode_duty: float = 0.0
+    decode_step_ms: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,7 +49,7 @@ def plan_of(o: Option, request: Request, need: ResourceNeed) -> RoutePlan:
             prefill_ahead=ahead,
             decode_nominal_ms=max(step_nominal, 0.0),
             decode_others=float(seqs - 1),
-            decode_duty=dws.duty,
+            decode_step_ms=d.step_ms,
         ),
     )
 
