@@ -262,7 +262,11 @@ def refusal_row(rid: str, rec: s.RouteRecord) -> dict[str, Any]:
         "reasons": list(rec.reject_reasons), "class": rec.reject_class,
         "dropped": [f"{w.get('worker_id')}:{w.get('reason')}"
                     for w in expl.get("rejected_workers", [])],
-        "notes": [n for n in expl.get("notes", []) if "speed" in n or "step" in n],
+        "notes": expl.get("notes", []),
+        "decode_steps": {c.get("worker_id"): c.get("step_ms")
+                         for c in expl.get("candidates", {}).get("decode", [])},
+        "options": [(o.get("prefill_worker_id"), o.get("decode_worker_id"), o.get("ttft_ms"))
+                    for o in expl.get("options", [])],
     }  # fmt: skip
 
 

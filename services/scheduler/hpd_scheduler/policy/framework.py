@@ -157,7 +157,7 @@ class Candidate:
             )
             self.step_ms = (
                 cap.weights_ms + (ws.ctx_tokens + extra) * cap.kv_ms_per_token
-            ) * ws.m_d + ws.d_seq * (ws.batch + ws.queue + ws.live_reqs + 1)
+            ) * ws.m_d + ws.d_seq * ws.step_sequences()
         else:
             self.step_ms = 0.0
         self.factors: dict[str, float] = {}

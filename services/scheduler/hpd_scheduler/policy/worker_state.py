@@ -264,9 +264,12 @@ class WorkerState:
         ) * self.m_d + self.d_seq * self.step_sequences()
 
     def step_sequences(self) -> int:
-        """The sequences a new one shares a decode step with, itself included: the running
-        batch, the queued and reserved ones, and it."""
-        return self.batch + self.queue + self.live_reqs + 1
+        """The sequences a new one shares a decode step with, itself included: the larger of
+        what the engine reports (running and queued) and what the scheduler holds there
+        (its reservations, held from the plan to the outcome, so they count the running
+        ones too: summed, a busy engine's batch was counted about twice), and it."""
+        reported = self.batch + self.queue
+        return (reported if reported > self.live_reqs else self.live_reqs) + 1
 
 
 _GRID_LOG = math.log(1.25)
