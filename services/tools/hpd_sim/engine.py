@@ -163,7 +163,13 @@ class Simulator:
         learn = self.config.learn
         if learn is None:
             learn = any(_actual(p)[:4] != _AS_DECLARED[:4] for p in cluster.pools)
-        self.learn = SimLearner() if learn else None
+        # the decode step is learned where a pool's decode runs otherwise than declared: the
+        # simulated engines prefill first and stall their batch for it, which the learned
+        # step (taken as the engine's own interleaving, not stretched again) averages over
+        # (on a cluster whose decode runs as declared, learning it cost the admitted
+        # requests 0.5 % of attainment, tests/unit/sim/test_learning.py)
+        steps = any(_actual(p)[2:4] != _AS_DECLARED[2:4] for p in cluster.pools)
+        self.learn = SimLearner(learn_steps=steps) if learn else None
         self.by_id = {w.view.worker_id: w for w in self.workers}
         bt = self.config.prefix_block_tokens
         self._prefix = self.config.prefix_cache and any(r.hash_ids for r in self.requests)

@@ -16,7 +16,9 @@ outcomes, exactly as it would on real engines, and ``hpd sim`` shows what that c
 saves. With engines that run as declared the learned scale stays near 1 (0.94-1.06 on the
 homogeneous cluster at half and at three times its capacity, admitted attainment 1.00 and
 0.998 against 1.00 and 0.993 without), so ``SimConfig.learn`` is on by default only for a
-cluster with a pool that runs otherwise than declared.
+cluster with a pool that runs otherwise than declared. The decode step is learned the same
+way from each request's TPOT (its finish less its first token over its output), where a
+pool's decode runs otherwise than declared (``learn_steps``; the engine module says why).
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ _INCARNATION = 1
 class SimLearner:
     """Per-request plan terms and prefill end times, fed to a :class:`SpeedLearner`."""
 
-    def __init__(self) -> None:
+    def __init__(self, learn_steps: bool = True) -> None:
         self.learner = SpeedLearner()
+        self.learn_steps = learn_steps
         self._plans: dict[int, dict[str, Any]] = {}
         self._planned_at: dict[int, float] = {}
         self._prefill_end: dict[int, float] = {}
@@ -87,10 +90,12 @@ class SimLearner:
         for key, sample in samples_from(
             plan, outcome, 1, dict.fromkeys(workers, _INCARNATION), round(now_s * 1000)
         ):
-            self.learner.add(key, sample, _INCARNATION)
+            if self.learn_steps or not key.startswith("d:"):
+                self.learner.add(key, sample, _INCARNATION)
 
     def step(self, worker_id: str) -> LearnedStep | None:
-        """Its own decode step fit, else the fleet's prior (as :meth:`prefill`)."""
+        """Its own decode step fit, else the fleet's prior (as :meth:`prefill`); None
+        always when the run does not learn decode steps (``learn_steps``)."""
         own = self.learner.step(worker_id)
         if own is not None:
             return own

@@ -250,7 +250,15 @@ class WorkerState:
         prefilling a share ``duty`` of its time (its report's ``prefill_busy``) a step is
         seen ``1 / (1 - duty)`` times as long. Without it the estimate was the bare step,
         and a pool reachable only by recompute kept receiving prefills until every sequence
-        in its batch missed TPOT (bench/README.md, 2026-12-06)."""
+        in its batch missed TPOT (bench/README.md, 2026-12-06).
+
+        A step learned from measured TPOT (``LearnedStep``) already holds the engine's
+        prefills as it really interleaves them (vLLM puts prefill chunks inside its decode
+        steps), so it is not stretched again: with the stretch on top of a learned step,
+        1,508 of the real unequal fleet's 1,514 refusals were ``tpot_over_admission_limit``
+        (bench/README.md, 2026-12-07)."""
+        if self.view.learned_step is not None:
+            return step_ms
         return step_ms / (1.0 - self.duty)
 
     def step_ms(self, extra_context_tokens: float = 0.0) -> float:
