@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hpd_scheduler.policy.learning import SpeedLearner
+from hpd_scheduler.policy.learner import SpeedLearner
 
 __all__ = ["Ewma", "Observation", "ObservedEstimates"]
 

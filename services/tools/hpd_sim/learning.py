@@ -26,7 +26,8 @@ from __future__ import annotations
 from typing import Any
 
 from hpd_scheduler.policy import LearnedSpeed, LearnedStep, RoutePlan
-from hpd_scheduler.policy.learning import SpeedLearner, samples_from
+from hpd_scheduler.policy.learner import SpeedLearner
+from hpd_scheduler.policy.learning import samples_from
 
 __all__ = ["SimLearner"]
 

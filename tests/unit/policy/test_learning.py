@@ -8,13 +8,13 @@ from typing import Any
 
 import pytest
 
+from hpd_scheduler.policy.learner import SpeedLearner
 from hpd_scheduler.policy.learning import (
     MIN_SAMPLES,
     SCALE_BOUNDS,
     SHIFT_RUN,
     WINDOW,
     Sample,
-    SpeedLearner,
     fit,
     prefill_key,
     queue_key,

@@ -159,7 +159,7 @@ class ProbeFilter(Filter):
     holds ``max_in_flight`` requests (queued or reserved).
 
     Why: a worker not yet measured is planned like the measured workers of its model
-    (``learning.SpeedLearner.prior``), which is right far more often than not, but when it
+    (``learner.SpeedLearner.prior``), which is right far more often than not, but when it
     is wrong the planner learns it only from outcomes, and a burst can send it many
     requests before the first comes back: on real engines, a quarter-core engine planned at
     its fast peer's speed took 8 of a burst of 16 and served them in 0.6-0.8 s where 0.06 s
