@@ -300,7 +300,18 @@ class VllmAdapter:
         kv_tokens = sum(_int_label(r, "kv_cache_size_tokens") for r in ranks) or blocks * block
         cache_dtype = labels.get("cache_dtype", "auto")
         dtype: KvDtype | None = None
-        if geometry is not None and kv_bytes > 0 and kv_tokens > 0:
+        if _int_label(labels, "num_gpu_blocks_override") > 0 and geometry is not None:
+            # the blocks were set by the operator, not sized from the memory: the memory
+            # figure is the budget, not what the blocks hold (64 blocks against a 1 GiB budget
+            # read as 341 bytes an element, and the engine never joined its fleet), so the
+            # width is the named one and the size is the blocks'
+            dtype = _NAMED.get(cache_dtype.lower()) or _SIXTEEN_BIT.get(
+                geometry.dtype.lower(), KvDtype.BF16
+            )
+            tokens = blocks * block or kv_tokens
+            elements = tokens * 2 * geometry.num_layers * geometry.num_kv_heads * geometry.head_dim
+            kv_bytes = round(elements * dtype.bytes)
+        elif geometry is not None and kv_bytes > 0 and kv_tokens > 0:
             per_elem = kv_bytes / (
                 kv_tokens * 2 * geometry.num_layers * geometry.num_kv_heads * geometry.head_dim
             )

@@ -106,6 +106,21 @@ def test_vllm_fp32_engine_keeps_its_memory_figure() -> None:
     assert (facts.kv_dtype, facts.kv_memory_bytes) == (KvDtype.FP32, 2 * TINY_KV_BYTES)
 
 
+def test_vllm_blocks_set_by_the_operator_are_sized_as_blocks_not_as_the_budget() -> None:
+    """``--num-gpu-blocks-override``: the memory label stays the budget while the engine
+    holds only the blocks; read as a width it fit no dtype and the agent refused to start
+    (64 blocks of 128 tokens against 1 GiB: 341 bytes an element)."""
+    block = 128
+    text = with_cache_labels(
+        IDLE, num_gpu_blocks="64", num_gpu_blocks_override="64", kv_cache_size_tokens="8192"
+    )
+    facts = VLLM.facts(vllm_answers(text), TINY)
+    per_token = 2 * TINY.num_layers * TINY.num_kv_heads * TINY.head_dim * 2  # bf16
+    assert facts.kv_dtype is KvDtype.BF16
+    assert facts.kv_blocks_total == 64
+    assert facts.kv_memory_bytes == 64 * block * per_token
+
+
 @pytest.mark.parametrize(
     ("labels", "geometry"),
     [
