@@ -305,7 +305,7 @@ class VllmAdapter:
             # figure is the budget, not what the blocks hold (64 blocks against a 1 GiB budget
             # read as 341 bytes an element, and the engine never joined its fleet), so the
             # width is the named one and the size is the blocks'
-            dtype = _NAMED.get(cache_dtype.lower()) or _SIXTEEN_BIT.get(
+            dtype = _NAMED.get(cache_dtype.lower()) or _NAMED.get(
                 geometry.dtype.lower(), KvDtype.BF16
             )
             tokens = blocks * block or kv_tokens
