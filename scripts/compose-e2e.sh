@@ -9,12 +9,14 @@
 #   3. a wheelhouse of the package and its dependencies (so the image build is offline),
 #      then the image;
 #   4. the stack up with free host ports on 127.0.0.1, waiting on gRPC health;
-#   5. pytest (-v, so every test that ran is named) over the shared component tests,
-#      pointed at the stack by HPD_*_ADDR, plus tests/compose (grpcurl, Redis restart,
-#      network partition, registry kill);
-#   6. the TLS variant (compose.tls.yaml over compose.yaml): certificates from `hpd certs`,
-#      the stack again on mutual TLS, tests/compose/test_tls.py against it
-#      (HPD_E2E_TLS=0 skips this phase);
+#   5. the certificates from the stack's own `certs` service, then pytest (-v, so every
+#      test that ran is named) over the shared component tests, pointed at the stack by
+#      HPD_*_ADDR, plus tests/compose (grpcurl, Redis restart, network partition, registry
+#      kill, the fleet replay), on the stack in plaintext (tests/compose/compose.e2e.yaml:
+#      those tests are written for anonymous callers of every role);
+#   6. the stack as shipped (compose.yaml alone: mutual TLS, certificate identities), the
+#      certificates kept, not made anew, and tests/compose/test_tls.py plus the fleet
+#      replay against it (HPD_E2E_TLS=0 skips this phase);
 #   7. teardown of the stack and its volume, also on failure or Ctrl-C.
 #
 # Only the services the image's `hpd` knows are started (`hpd --help` lists them), so
@@ -289,8 +291,26 @@ teardown() {
 trap teardown EXIT
 trap 'exit 130' INT TERM
 
-step "stack up: redis ${UP[*]}"
+step "certificates: the stack's certs service"
 compose down -v -t 2 >/dev/null 2>&1 || true
+TLS_DIR="$WORK/tls"
+as_root rm -rf "$TLS_DIR"
+mkdir -p "$TLS_DIR"
+export HPD_TLS_DIR=$TLS_DIR
+certs_up() {  # podman-compose does not wait for a healthy dependency: start certs, wait
+  compose up -d certs >>"$WORK/certs.log" 2>&1 || { cat "$WORK/certs.log"; die "certs failed"; }
+  for _ in $(seq 1 120); do
+    compose exec -T certs test -f /tmp/certs-ready >/dev/null 2>&1 && return 0
+    sleep 0.5
+  done
+  compose logs certs 2>&1 | tail -n 20
+  die "the certs service wrote no certificates within 60 s"
+}
+certs_up
+as_root test -s "$TLS_DIR/role-worker.key" || die "the certs service wrote no role certificates"
+as_root sha256sum "$TLS_DIR/ca.pem" >"$WORK/ca.sum"
+
+step "stack up in plaintext (tests/compose/compose.e2e.yaml): redis ${UP[*]}"
 compose up -d redis "${UP[@]}" >"$WORK/up.log" 2>&1 || { cat "$WORK/up.log"; die "up failed"; }
 
 declare -A PORT_OF=([registry]=$HPD_REGISTRY_PORT [scheduler]=$HPD_SCHEDULER_PORT
@@ -314,18 +334,15 @@ rc=$?
 set -e
 [ "$rc" = 0 ] || exit "$rc"
 
-# ---- 6. the TLS variant (compose.tls.yaml): mutual TLS, certificate identities -----------
+# ---- 6. the stack as shipped: mutual TLS, certificate identities -------------------------
 [ "${HPD_E2E_TLS:-1}" = 1 ] || exit 0
-step "TLS variant: certificates, stack up on mutual TLS"
-TLS_DIR="$WORK/tls"
-as_root rm -rf "$TLS_DIR"
-as_root "$ROOT/.venv/bin/hpd" certs "$TLS_DIR" --host registry --host scheduler \
-  --host kvbroker --owner 10001
-export HPD_TLS_DIR=$TLS_DIR
+step "the stack as shipped (compose.yaml alone): mutual TLS"
 compose down -v -t 2 >/dev/null 2>&1 || true
 compose() {
-  "${COMPOSE[@]}" -p "$PROJECT" -f "$ROOT/compose.yaml" -f "$ROOT/compose.tls.yaml" "$@"
+  "${COMPOSE[@]}" -p "$PROJECT" -f "$ROOT/compose.yaml" "$@"
 }
+certs_up  # it keeps what it made before
+as_root sha256sum -c --quiet "$WORK/ca.sum" || die "the certs service made a new CA over the kept one"
 compose up -d redis "${UP[@]}" >"$WORK/up-tls.log" 2>&1 || { cat "$WORK/up-tls.log"; die "up failed"; }
 # the host reads the files as root; the probe presents the plain client certificate
 for svc in "${UP[@]}"; do
@@ -333,13 +350,16 @@ for svc in "${UP[@]}"; do
     --wait 90 --ca-file "$TLS_DIR/ca.pem" --cert-file "$TLS_DIR/client.pem" \
     --key-file "$TLS_DIR/client.key" || die "$svc did not become SERVING over TLS"
 done
-step "tests against the TLS stack"
+step "tests against the stack as shipped"
 export HPD_COMPOSE_TLS_DIR=$TLS_DIR
 set +e
 as_root env "PATH=$PATH" "HPD_COMPOSE=1" "HPD_COMPOSE_TLS_DIR=$TLS_DIR" \
+  "HPD_COMPOSE_ENGINE=$ENGINE" "HPD_COMPOSE_PROJECT=$PROJECT" \
+  "HPD_COMPOSE_SERVICES=${UP[*]}" \
   "HPD_REGISTRY_ADDR=$HPD_REGISTRY_ADDR" "HPD_SCHEDULER_ADDR=$HPD_SCHEDULER_ADDR" \
   "HPD_KVBROKER_ADDR=$HPD_KVBROKER_ADDR" \
-  .venv/bin/pytest -v -rA -p no:cacheprovider tests/compose/test_tls.py
+  .venv/bin/pytest -v -rA -p no:cacheprovider tests/compose/test_tls.py \
+  tests/compose/test_fleet_replay.py
 rc=$?
 set -e
 [ "$rc" = 0 ] || exit "$rc"

@@ -8,7 +8,9 @@ it is through the environment:
 - HPD_COMPOSE_PROJECT           the compose project name (containers carry its label);
 - HPD_COMPOSE_SERVICES          the hpd services started, space separated;
 - HPD_<SERVICE>_ADDR            host:port of each started service's published gRPC port;
-- HPD_<SERVICE>_METRICS_PORT    its published /metrics port.
+- HPD_<SERVICE>_METRICS_PORT    its published /metrics port;
+- HPD_COMPOSE_TLS_DIR           the stack's certificates, when it runs as shipped (mutual
+                                TLS); unset in the plaintext phase (compose.e2e.yaml).
 
 Containers are found by the compose labels that both Docker Compose and podman-compose
 set, so the tests do not depend on either tool's container naming.
@@ -30,6 +32,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hetero_pd.v1 import registry_pb2 as r
 from hetero_pd.v1 import registry_pb2_grpc as r_grpc
+from hpd_common.channels import CallIdentity, sync_channel
 from tests.support.fleet import capability
 
 HPD_SERVICES = ("registry", "scheduler", "kvbroker")
@@ -166,9 +169,20 @@ def wait_until(
     raise AssertionError(f"{what}: not reached within {timeout_s} s (last error: {last!r})")
 
 
+def tls_dir() -> str:
+    """The stack's certificates (HPD_COMPOSE_TLS_DIR) when it runs as shipped, on mutual
+    TLS; empty for the plaintext phase."""
+    return os.environ.get("HPD_COMPOSE_TLS_DIR", "")
+
+
 def wait_serving(addr: str, timeout_s: float = 60.0) -> float:
-    """Polls Health/Check on a fresh channel until SERVING; returns the seconds waited."""
-    with grpc.insecure_channel(addr, options=CLIENT_OPTIONS) as channel:
+    """Polls Health/Check on a fresh channel (mutual TLS with the plain client certificate
+    when the stack runs on it) until SERVING; returns the seconds waited."""
+    pki = tls_dir()
+    ident = None
+    if pki:
+        ident = CallIdentity("", f"{pki}/ca.pem", f"{pki}/client.pem", f"{pki}/client.key")
+    with sync_channel(addr, ident, options=CLIENT_OPTIONS) as channel:
         return wait_until(
             f"{addr} SERVING",
             lambda: health_status(channel, timeout_s=1.0) == health_pb2.HealthCheckResponse.SERVING,

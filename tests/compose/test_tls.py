@@ -1,6 +1,7 @@
-"""The compose stack's TLS variant (compose.tls.yaml), as scripts/compose-e2e.sh brings
-it up in its second phase: mutual TLS on every port, callers identified by their client
-certificates (no tokens), and the services reaching each other over mTLS.
+"""The compose stack as shipped (compose.yaml: mutual TLS by default), as
+scripts/compose-e2e.sh brings it up in its second phase: mutual TLS on every port, callers
+identified by their client certificates (no tokens), and the services reaching each other
+over mTLS.
 
 Skipped unless HPD_COMPOSE_TLS_DIR names the folder `hpd certs` wrote for the stack."""
 
@@ -22,7 +23,7 @@ from hpd_common.channels import CallIdentity, sync_channel
 from tests.support.fleet import capability, load
 
 TLS = os.environ.get("HPD_COMPOSE_TLS_DIR", "")
-pytestmark = pytest.mark.skipif(not TLS, reason="the TLS variant (compose-e2e.sh, phase 2)")
+pytestmark = pytest.mark.skipif(not TLS, reason="the stack as shipped (compose-e2e.sh, phase 2)")
 
 
 def addr(service: str) -> str:

@@ -260,5 +260,18 @@ def test_up_tls_runs_the_whole_plane_on_mutual_tls_with_closed_reads(
         with sync_channel(addrs[0], as_role("operator")) as ch:
             r_grpc.RegistryServiceStub(ch).CordonWorker(cordon, timeout=5)
         assert "hpd-operator-certificate" in log.read_text()  # audited by name
+
+        # `hpd demo --attach --tls-dir`: the emulated fleet registers as the worker
+        # certificate, the replay plans as the gateway one, over the closed reads
+        demo = [str(HPD), "demo", "--attach", ",".join(addrs), "--duration", "4",
+                "--no-live", "--no-serve", "--lease-ttl-ms", "10000",
+                "--out", str(tmp_path / "demo")]  # fmt: skip
+        lost = subprocess.run([*demo, "--tls-dir", str(tmp_path / "nowhere")],
+                              capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+        assert lost.returncode == 2 and "role-worker.pem" in lost.stderr, lost.stderr
+        done = subprocess.run([*demo, "--tls-dir", str(tls)],
+                              capture_output=True, text=True, timeout=180, check=False)  # fmt: skip
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert "all accounted for" in done.stdout and "(agree with the report)" in done.stdout
     finally:
         stop(proc)

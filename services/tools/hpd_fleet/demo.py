@@ -34,6 +34,7 @@ from pathlib import Path
 from hpd_common.logging import configure_logging, get_logger
 from hpd_tools.embedded_redis import EmbeddedRedis
 
+from .attach import role_identity
 from .demo_run import DemoOptions, default_trace_path, run_demo
 from .faults import parse_fault
 from .fleet import default_cluster_path
@@ -117,6 +118,14 @@ def parser() -> argparse.ArgumentParser:
         help="attach the fleet and the replay to a running control plane at these host:port "
         "addresses instead of starting one; exits after the report",
     )
+    p.add_argument(
+        "--tls-dir",
+        default="",
+        metavar="DIR",
+        help="with --attach, speak mutual TLS to a control plane whose certificates `hpd "
+        "certs DIR` wrote (the compose stack's default): the fleet presents DIR/role-worker.pem"
+        " to the registry and the KV broker, the replay DIR/role-gateway.pem to the scheduler",
+    )
     path = p.add_mutually_exclusive_group()
     path.add_argument(
         "--via-gateway", action="store_true",
@@ -139,6 +148,15 @@ def parser() -> argparse.ArgumentParser:
 
 
 def options_from(args: argparse.Namespace) -> DemoOptions:
+    if args.tls_dir and not args.attach:
+        raise ValueError("--tls-dir names the certificates of the plane --attach reaches")
+    if args.tls_dir and args.via_gateway:
+        raise ValueError(
+            "--tls-dir with --via-gateway: the plane's own gateway speaks for it; run the "
+            "replay --in-process"
+        )
+    for role in ("worker", "gateway") if args.tls_dir else ():
+        role_identity(Path(args.tls_dir), role)  # ValueError naming a missing file
     if args.via_gateway and args.time_scale != 1.0:
         raise ValueError(
             "--via-gateway runs in real time (the gateway times requests by the wall clock): "
@@ -179,6 +197,7 @@ def options_from(args: argparse.Namespace) -> DemoOptions:
         faults=tuple(faults),
         log_level=args.log_level,
         attach=_attach(args.attach),
+        tls_dir=Path(args.tls_dir) if args.tls_dir else None,
         via_gateway=via_gateway,
         gateway_port=args.gateway_port,
     )

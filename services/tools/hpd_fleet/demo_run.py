@@ -32,6 +32,7 @@ from hpd_sim.traces import Trace, load_trace, reshape
 from hpd_tools.controlplane import ControlPlane, ControlPlaneSettings
 from hpd_tools.embedded_redis import EmbeddedRedis
 
+from .attach import plane_channels, wait_fleet_registered
 from .demo_checks import killed_sessions, reconcile, route_records
 from .engine import EmuTime
 from .engine_http import FleetHttp
@@ -94,6 +95,8 @@ class DemoOptions:
     # registry, scheduler, kvbroker addresses of a running control plane: attach the fleet
     # and the replay to it instead of starting one (the compose `fleet` profile does this)
     attach: tuple[str, str, str] | None = None
+    # the attached plane's certificates (`hpd certs`): speak mutual TLS as its roles
+    tls_dir: Path | None = None
     # replay through `hpd gateway` over the emulated engines' HTTP (the real front door and
     # the engines' protocol) instead of executing plans in this process
     via_gateway: bool = False
@@ -124,43 +127,6 @@ async def wait_fleet_seen(cp: ControlPlane, worker_ids: Sequence[str], timeout_s
             return
         await asyncio.sleep(0.05)
     raise TimeoutError(f"the scheduler did not see the fleet within {timeout_s} s")
-
-
-async def _wait_fleet_registered(
-    reg_ch: grpc.aio.Channel, sch_ch: grpc.aio.Channel, worker_ids: Sequence[str], timeout_s: float
-) -> None:
-    """Attached to a running control plane: until the registry lists every worker with a
-    load report and the scheduler reports SERVING (its view then follows within moments)."""
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    from hetero_pd.v1 import registry_pb2 as r
-    from hetero_pd.v1 import registry_pb2_grpc as r_grpc
-
-    reg = r_grpc.RegistryServiceStub(reg_ch)
-    health = health_pb2_grpc.HealthStub(sch_ch)
-    want = set(worker_ids)
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while loop.time() < deadline:
-        try:
-            seen: set[str] = set()
-            token = ""
-            while True:
-                page = await reg.ListWorkers(
-                    r.ListWorkersRequest(page_size=1000, page_token=token), timeout=5
-                )
-                seen |= {w.capability.worker_id for w in page.workers if w.HasField("load")}
-                token = page.next_page_token
-                if not token:
-                    break
-            serving = await health.Check(health_pb2.HealthCheckRequest(), timeout=5)
-            if want <= seen and serving.status == health_pb2.HealthCheckResponse.SERVING:
-                await asyncio.sleep(1.0)  # the scheduler's informer and snapshot catch up
-                return
-        except grpc.aio.AioRpcError:
-            pass
-        await asyncio.sleep(0.2)
-    raise TimeoutError(f"the control plane did not see the fleet within {timeout_s} s")
 
 
 async def _start_gateway(
@@ -217,7 +183,7 @@ async def run_demo(
     )
     clock = SystemClock()
     cp, targets = await _control_plane(opts, redis_url)
-    channels = [grpc.aio.insecure_channel(t) for t in (targets[0], targets[2], targets[1])]
+    channels = plane_channels(targets, opts.tls_dir)
     reg_ch, kb_ch, sch_ch = channels
     emu = EmuTime(opts.time_scale, time.monotonic, asyncio.sleep, start=time.monotonic())
     fleet = Fleet(
@@ -235,7 +201,7 @@ async def run_demo(
         if cp is not None:
             await wait_fleet_seen(cp, list(fleet.workers), timeout_s=15)
         else:
-            await _wait_fleet_registered(reg_ch, sch_ch, list(fleet.workers), timeout_s=60)
+            await wait_fleet_registered(reg_ch, sch_ch, list(fleet.workers), timeout_s=60)
         tier_slos = await _tiers(stub)
         run_id = f"demo{clock.now_ms() % 10**10:010d}"
         gateway, front = await _replay_of(

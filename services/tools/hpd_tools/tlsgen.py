@@ -219,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """`hpd certs DIR`: the CA and certificates of `ensure_pki` in DIR for the given
     server names, and DIR/tokens.yaml naming each role certificate as that role (plus a
     random token per role), for a control plane you run yourself with mutual TLS, e.g.
-    the compose stack's TLS variant (compose.tls.yaml)."""
+    the compose stack (compose.yaml, whose `certs` service runs this)."""
     import argparse
 
     from hpd_common.auth import write_tokens_file
@@ -230,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "client certificate per role (role-<role>.pem, common name hpd-<role>) and a "
         "tokens file that names them (tokens.yaml). Existing, still valid files are kept.",
         epilog="Example: hpd certs ./tls --host registry --host scheduler --host kvbroker "
-        "--owner 10001   (then: docker compose -f compose.yaml -f compose.tls.yaml up -d)",
+        "--owner 10001   (the compose stack's `certs` service runs this for you)",
     )
     p.add_argument("dir", help="folder to write to (made if missing)")
     p.add_argument(

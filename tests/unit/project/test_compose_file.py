@@ -24,7 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[3]
 HPD_SERVICES = {"registry": 50051, "scheduler": 50052, "kvbroker": 50053}
-DEFAULT_SERVICES = {"redis", *HPD_SERVICES}
+DEFAULT_SERVICES = {"redis", "certs", *HPD_SERVICES}
 
 _VAR = re.compile(r"\$(?:(\$)|\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?-)([^}]*))?\})")
 
@@ -293,21 +293,67 @@ def test_probe_gives_up_on_a_closed_port(probe: ModuleType) -> None:
     assert probe.main(["-q", "--addr", addr, "--timeout", "1"]) == 2
 
 
-def test_the_tls_overlay_puts_every_service_on_mutual_tls_with_certificate_identities() -> None:
-    """compose.tls.yaml: each service serves TLS, asks for client certificates, checks them
-    against the tokens file of `hpd certs`, presents the scheduler certificate to the others,
-    and mounts the folder read-only. It overrides no list (podman-compose appends lists)."""
-    text = interpolate((ROOT / "compose.tls.yaml").read_text(), {})
-    overlay = yaml.safe_load(text)
+@pytest.mark.parametrize("name", sorted(HPD_SERVICES))
+def test_the_shipped_stack_runs_mutual_tls_with_certificate_identities(
+    compose: dict[str, Any], name: str
+) -> None:
+    """compose.yaml as shipped: each service serves TLS, asks for client certificates,
+    takes roles from the tokens file of `hpd certs`, presents the scheduler certificate to
+    the others, reads the folder read-only, waits for the certificates, and is not told to
+    listen in plaintext."""
+    svc = services(compose)[name]
+    env = svc["environment"]
+    assert str(env.get("HPD_INSECURE", "false")).lower() in ("false", "0", "no")
+    assert env["HPD_TLS_CERT_FILE"] == "/tls/server.pem" and env["HPD_TLS_KEY_FILE"]
+    assert env["HPD_TLS_CLIENT_CA_FILE"] == "/tls/ca.pem"
+    assert env["HPD_AUTH_TOKENS_FILE"] == "/tls/tokens.yaml"
+    assert env["HPD_CALL_CERT_FILE"] == "/tls/role-scheduler.pem"
+    assert env["HPD_CA_FILE"] and env["HPD_CERT_FILE"]  # the health check's TLS
+    assert svc["volumes"] == ["./tls:/tls:ro"]
+    assert svc["depends_on"]["certs"] == {"condition": "service_healthy"}
+
+
+def test_the_certs_service_makes_them_once_for_every_service_name(
+    compose: dict[str, Any],
+) -> None:
+    """`certs`: `hpd certs` into the mounted folder (writable), a server certificate naming
+    every service, files given to the image's uid, healthy once they are written. A fixed
+    host name, since the certificate also names the host it was made on and a new name per
+    run would make a new CA under running services. It stays up (podman restarts a service
+    only while the containers it depends on run)."""
+    certs = services(compose)["certs"]
+    script = certs["command"][-1]
+    line = next(x for x in script.splitlines() if x.startswith("hpd certs"))
+    args = line.split("||")[0].split()
+    assert args[:3] == ["hpd", "certs", "/tls"]
+    hosts = {args[i + 1] for i, arg in enumerate(args) if arg == "--host"}
+    assert hosts == set(HPD_SERVICES)
+    assert args[args.index("--owner") + 1] == "10001"
+    marker = certs["healthcheck"]["test"][-1]
+    assert script.index(line) < script.index(f"touch {marker}")
+    assert "sleep infinity" in script and certs["restart"] == "unless-stopped"
+    assert certs["hostname"] and str(certs["user"]) == "0"
+    assert certs["volumes"] == ["./tls:/tls"]
+
+
+def test_the_fleet_replay_presents_role_certificates(compose: dict[str, Any]) -> None:
+    replay = services(compose)["replay"]
+    cmd = replay["command"]
+    assert cmd[cmd.index("--tls-dir") + 1] == "/tls"
+    assert "./tls:/tls:ro" in replay["volumes"]
+
+
+def test_the_e2e_plaintext_overlay_overrides_no_list() -> None:
+    """tests/compose/compose.e2e.yaml turns TLS and auth off for the shared component tests
+    by emptying the variables; a list there would be appended to, not replace, the base
+    one's (podman-compose), so it has none."""
+    overlay = yaml.safe_load((ROOT / "tests/compose/compose.e2e.yaml").read_text())
     base = services(load_compose())
-    assert set(overlay["services"]) == {"registry", "scheduler", "kvbroker"}
+    assert set(overlay["services"]) == set(HPD_SERVICES)
     for name, svc in overlay["services"].items():
         env = svc["environment"]
-        assert env["HPD_TLS_CERT_FILE"].startswith("/tls/") and env["HPD_TLS_CLIENT_CA_FILE"]
-        assert env["HPD_AUTH_TOKENS_FILE"] == "/tls/tokens.yaml"
-        assert env["HPD_CALL_CERT_FILE"] == "/tls/role-scheduler.pem"
-        assert env["HPD_CA_FILE"] and env["HPD_CERT_FILE"]  # the health check's TLS
-        assert svc["volumes"] == ["./tls:/tls:ro"]
-        assert not base[name].get("volumes"), f"{name}: a base list would be merged into"
-        for key, value in svc.items():
-            assert not (isinstance(value, list) and key != "volumes"), f"{name}.{key}"
+        assert env["HPD_INSECURE"] == "true"
+        for key, value in base[name]["environment"].items():
+            if key.startswith(("HPD_TLS_", "HPD_CALL_", "HPD_AUTH_TOKENS")):
+                assert env[key] == "", f"{name}: {key} stays {value}"
+        assert not any(isinstance(v, list) for v in svc.values()), name
