@@ -9,9 +9,9 @@ from typing import ClassVar
 
 from .domain import Role
 from .errors import InvalidInputError
-from .factors import memory_gate_ok
 from .fleet import WorkerState
 from .framework import Filter, RequestContext
+from .mechanisms import memory_reason, revision_reason, stage_reason
 
 __all__ = [
     "DecodeMemoryFilter",
@@ -27,19 +27,19 @@ _DECODE = frozenset({Role.DECODE})
 
 
 class ExecutionGateFilter(Filter):
-    """Execution compatibility per request: the stage is served (``unsupported_stage``) and,
-    when the request pins a model revision, the worker runs it (``model_revision_mismatch``).
-    Health, model and GPU are gated once per snapshot by the fleet index."""
+    """Execution compatibility per request: the stage is served (``unsupported_stage``,
+    `mechanisms.stage_reason`) and, when the request pins a model revision, the worker runs
+    it (``model_revision_mismatch``, `mechanisms.revision_reason`). Health, model and GPU
+    are gated once per snapshot by the fleet index (`mechanisms.health_reason`)."""
 
     type_name: ClassVar[str] = "execution-gate-filter"
 
     def drop_reason(self, ws: WorkerState, role: Role, ctx: RequestContext) -> str | None:
-        if not ws.view.stage.serves(role):
-            return "unsupported_stage"
-        rev = ctx.request.model_revision
-        if rev and ws.view.model_revision != rev:
-            return "model_revision_mismatch"
-        return None
+        view = ws.view
+        reason = stage_reason(view.stage, role)
+        if reason is None:
+            reason = revision_reason(ctx.request.model_revision, view.model_revision)
+        return reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +54,7 @@ class MemoryParams:
 
 
 class DecodeMemoryFilter(Filter):
-    """Seed decode gate: drop (``insufficient_memory``) when
+    """Seed decode gate: drop (``insufficient_memory``, `mechanisms.memory_reason`) when
     ``available KV - reservations < (prompt + output) x bytes/token x headroom``."""
 
     type_name: ClassVar[str] = "decode-memory-filter"
@@ -64,9 +64,7 @@ class DecodeMemoryFilter(Filter):
     def drop_reason(self, ws: WorkerState, role: Role, ctx: RequestContext) -> str | None:
         r = ctx.request
         need = (r.prompt_tokens + r.expected_output_tokens) * ws.cap.kv_bytes_per_token
-        if not memory_gate_ok(ws.available_kv(), need, self.params.headroom):
-            return "insufficient_memory"
-        return None
+        return memory_reason(ws.available_kv(), need, self.params.headroom)
 
 
 class QueueCapacityFilter(Filter):

@@ -34,9 +34,10 @@ from functools import lru_cache
 from hpd_common.kvformat import DEFAULT_KV_POLICY, GIB, KvFormat, KvPolicy, Negotiation, negotiate
 
 from .capacity import Capacity, StalenessPolicy, capacity_for, resolve_gpu
-from .domain import SCHEDULABLE_HEALTH, Role, Stage, WorkerView
+from .domain import Role, Stage, WorkerView
 from .errors import InvalidInputError
 from .links import Link, LinkModel
+from .mechanisms import health_reason, kv_reasons, kv_transferable
 from .worker_state import WorkerState
 
 __all__ = ["PRESELECT_KEYS", "Fleet", "ModelIndex", "WorkerState"]
@@ -266,8 +267,8 @@ class Fleet:
             if view.worker_id in fleet.by_id:
                 raise InvalidInputError("worker_id", f"duplicate worker {view.worker_id!r}")
             cap, reason = _capacity_of(view, reuse.get(view.worker_id), ref_prompt_tokens)
-            if reason is None and view.health not in SCHEDULABLE_HEALTH:
-                reason = str(view.health.value).lower()
+            if reason is None:
+                reason = health_reason(view.health)
             ws: WorkerState | None = None
             if cap is not None:
                 wid = view.worker_id
@@ -355,15 +356,12 @@ class Fleet:
         if hit is not _MISS:
             return hit  # type: ignore[return-value]
         neg = _negotiate(src.view.kv_format, dst.view.kv_format, self.kv_policy)
+        flows = kv_can_flow(src.view, dst.view)
         terms: HandoffTerms | None = None
-        if neg.transferable and kv_can_flow(src.view, dst.view):
+        if kv_transferable(neg, flows):  # the KV gate (mechanisms.py)
             link = self.link(src, dst)
-            terms = (
-                8.0 / (link.gbps * 1e6),
-                link.latency_ms,
-                neg.cost_ms_per_gib / GIB,
-                tuple(str(r) for r in neg.reasons),
-            )
+            conv = neg.cost_ms_per_gib / GIB
+            terms = (link.ms_per_byte(), link.latency_ms, conv, kv_reasons(neg, flows))
         self._handoff_cache[key] = terms
         return terms
 

@@ -44,8 +44,14 @@ class Link:
             raise InvalidInputError("link.latency_ms", f"must be >= 0, got {self.latency_ms}")
 
     def transfer_ms(self, nbytes: float) -> float:
-        """``nbytes x 8 / (gbps x 10^6) + latency_ms``: ms to move ``nbytes`` over this link."""
+        """``nbytes x 8 / (gbps x 10^6) + latency_ms``: ms to move ``nbytes`` over this link
+        (Gb/s are decimal: 10^9 bit/s, so 10^6 bit per ms per Gb/s)."""
         return nbytes * 8.0 / (self.gbps * 1e6) + self.latency_ms
+
+    def ms_per_byte(self) -> float:
+        """``8 / (gbps x 10^6)``: the bandwidth term of :meth:`transfer_ms` per byte, for a
+        caller that prices many sizes over one link (``Fleet.handoff_terms``)."""
+        return 8.0 / (self.gbps * 1e6)
 
 
 _DEFAULT_CLASSES: dict[Locality, Link] = {

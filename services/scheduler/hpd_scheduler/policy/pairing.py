@@ -15,6 +15,7 @@ import random
 from .config import Profile, SloObjective
 from .domain import Mode, Role, Stage
 from .framework import Candidate, Option, RequestContext, Scorer
+from .mechanisms import handoff_mode
 from .preselect import Preselection
 
 __all__ = ["NO_LOCAL_LABEL", "NO_LOCAL_VALUE", "Pairing", "handoff_cost", "own_ms"]
@@ -112,8 +113,9 @@ class Pairing:
             missing = prompt - d.cached_tokens
             recompute_ms = d.run_ms  # the decode worker's own prefill time for the prompt
             # a worker serving both stages always offers SAME_POOL; a decode-only worker
-            # recomputes when some pair's KV cannot reach it faster (seed rule), or always
-            # under conditional disaggregation, where the SLO objective decides
+            # recomputes when some pair's KV cannot reach it faster (the seed's rule,
+            # `handoff_mode`), or always under conditional disaggregation, where the SLO
+            # objective decides;
             # an operator may keep a decode-only engine from ever prefilling while a
             # transfer can reach it (label ``local-prefill=never``: its batches are never
             # held up by a prefill, as in a router's fixed P/D mode)
@@ -132,7 +134,7 @@ class Pairing:
                     kv = missing * bpt
                     conv = kv * terms[2]
                     xfer = kv * terms[0] + terms[1] + conv
-                    if xfer > recompute_ms and not never:
+                    if not never and handoff_mode(xfer, recompute_ms) is Mode.RECOMPUTE:
                         need_local = True
                         continue
                     o = Option(
@@ -182,7 +184,7 @@ class Pairing:
                     conv = kv * terms[2]
                     t = kv * terms[0] + terms[1] + conv
                     ttft = p_best.wait_ms + p_best.run_ms + t
-                    if t <= local.recompute_ms:
+                    if handoff_mode(t, local.recompute_ms) is Mode.TRANSFER:
                         xfer = t
                         option = Option(
                             p_best, d, Mode.TRANSFER, t, local.recompute_ms, conv, ttft, terms[3]
