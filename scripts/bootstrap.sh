@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates .venv (once) and installs hetero-pd with its dev extras into it.
+# Creates .venv (once) and installs hetero-pd with its dev and plots extras into it.
 # Re-running is cheap: it reinstalls only when pyproject.toml changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,7 +17,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   log=.venv/pip-install.log
   echo "installing hetero-pd and its dev tools into .venv (log: $log) ..."
   if ! { .venv/bin/python -m pip install -q --upgrade pip \
-         && .venv/bin/python -m pip install -q -e '.[dev]'; } >"$log" 2>&1; then
+         && .venv/bin/python -m pip install -q -e '.[dev,plots]'; } >"$log" 2>&1; then
     cat "$log" >&2
     echo "bootstrap: installing into .venv failed (above; also in $log)" >&2
     exit 1
@@ -42,3 +42,6 @@ if [ ! -x .venv/bin/grpcurl ]; then
   fi
   rm -rf "$tmp"
 fi
+# promtool, Prometheus's rule checker and rule unit-test runner, for the alert rules'
+# tests (tests/unit/deploy); it warns itself when it cannot get one.
+scripts/get-promtool.sh || true

@@ -312,7 +312,7 @@ def plot_report(records: Sequence[RequestRecord], report: Mapping[str, Any], out
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt  # type: ignore[import-not-found, unused-ignore]
     except ImportError:
-        return "matplotlib is not installed: no PNG plots written (pip install matplotlib)"
+        return "matplotlib is not installed: no PNG plots written (pip install 'hetero-pd[plots]')"
     out.mkdir(parents=True, exist_ok=True)
     from matplotlib.ticker import NullFormatter
 

@@ -201,7 +201,7 @@ def _plot(
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt  # type: ignore[import-not-found, unused-ignore]
     except ImportError:
-        return "matplotlib is not installed: no PNG written (pip install matplotlib)"
+        return "matplotlib is not installed: no PNG written (pip install 'hetero-pd[plots]')"
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     for run in runs:
         pts = sorted(run.points, key=lambda p: p.rate_rps)

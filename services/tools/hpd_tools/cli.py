@@ -69,14 +69,39 @@ def usage() -> str:
         "  hpd up --auth && export HPD_TOKEN=$(hpd token operator)  # callers need tokens",
         "  hpd drain d0 --reason 'kernel upgrade'   # the agent deregisters it once idle",
         "  hpd agent --engine-url http://127.0.0.1:8000 --model-dir ./model --gpu-type L40S",
+        "",
+        "hpd --version prints the version and whether the compiled policy core is in use.",
     ]
     return "\n".join(lines)
+
+
+def version() -> str:
+    """The installed distribution's version (its metadata), or the source tree's when run
+    from a checkout that was never installed."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("hetero-pd")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+def _core() -> str:
+    """Whether the compiled policy core is in use (`hpd native status` says more)."""
+    from hpd_common import native
+
+    st = native.status()
+    return "compiled" if st.active else f"pure Python, {st.reason}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help", "help"):
         print(usage())
+        return 0
+    if args[0] in ("--version", "-V", "version"):
+        print(f"hpd {version()} (hetero-pd; policy core: {_core()})")
         return 0
     name, rest = args[0], args[1:]
     if name not in COMMANDS:
