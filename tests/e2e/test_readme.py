@@ -49,6 +49,9 @@ ELSEWHERE = {
     ".venv/bin/hpd gateway-key --file keys.yaml": "makes a key, then runs a keyed gateway on "
     "a certificate: tests/security/test_front_door.py runs `hpd gateway-key` and a keyed "
     "front door; tests/real_engine/test_front_door.py a keyed gateway over real engines",
+    "hpd certs ./tls --host registry --host scheduler --host kvbroker --host gateway": "needs "
+    "a Kubernetes cluster: tests/unit/deploy/test_kubernetes.py renders every overlay with "
+    "`kubectl kustomize` and checks it (the Secrets' files are those `hpd certs` writes)",
     ".venv/bin/python bench/goodput.py --suite": "minutes of simulation (a benchmark, not a "
     "test): tests/unit/sim/test_suite.py runs one cell of the same matrix",
 }
