@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
+
+from .policy.domain import SCHEDULABLE_HEALTH, WorkerView
 
 DECISIONS = Counter(
     "hpd_scheduler_decisions_total", "Schedule answers by decision and mode.", ["decision", "mode"]
@@ -80,6 +82,59 @@ LEARNED_DECODE_SEQ_MS = Gauge(
     "A worker's learned decode step cost per sequence in the batch (ms).",
     ["worker"],
 )
+
+
+# Per pool, from each fleet snapshot (labels: model, pool): what an operator alerts on
+# (a pool with no worker to take work, decode KV nearly full, a prefill queue growing).
+POOL_WORKERS = Gauge(
+    "hpd_scheduler_pool_workers",
+    "Workers of a pool in the scheduler's snapshot, by health (healthy, suspect, unhealthy, "
+    "draining, cordoned, expired).",
+    ["model", "pool", "health"],
+)
+POOL_SCHEDULABLE = Gauge(
+    "hpd_scheduler_pool_schedulable_workers",
+    "Workers of a pool that take new work (healthy or suspect).",
+    ["model", "pool"],
+)
+POOL_KV_USED_RATIO = Gauge(
+    "hpd_scheduler_pool_kv_used_ratio",
+    "KV memory of a pool's schedulable workers in use or reserved, over their total (0..1).",
+    ["model", "pool"],
+)
+POOL_QUEUE_DEPTH = Gauge(
+    "hpd_scheduler_pool_queue_depth",
+    "Requests queued on a pool's workers, as their last load reports say.",
+    ["model", "pool"],
+)
+
+
+def export_pools(views: Iterable[WorkerView]) -> None:
+    """The per-pool gauges from one snapshot's worker views: every series of a pool that
+    left (or a health no worker has any more) is dropped, so a dashboard shows no ghosts.
+    ``kv_used_ratio``: ``1 - sum(available - reserved) / sum(total)`` over the schedulable
+    workers (0 when they declare no KV)."""
+    counts: dict[tuple[str, str, str], int] = {}
+    pools: dict[tuple[str, str], list[float]] = {}
+    for v in views:
+        key = (v.model_id, v.pool_id)
+        health = str(v.health.value).lower()
+        counts[(*key, health)] = counts.get((*key, health), 0) + 1
+        agg = pools.setdefault(key, [0.0, 0.0, 0.0, 0.0])  # schedulable, free, total, queue
+        if v.health in SCHEDULABLE_HEALTH:
+            agg[0] += 1
+            agg[1] += max(0, v.kv_available_bytes - v.pending_kv_bytes)
+            agg[2] += v.kv_memory_total_bytes
+        agg[3] += v.load.queue_depth if v.load is not None else 0
+    for gauge in (POOL_WORKERS, POOL_SCHEDULABLE, POOL_KV_USED_RATIO, POOL_QUEUE_DEPTH):
+        gauge.clear()
+    for (model, pool, health), n in counts.items():
+        POOL_WORKERS.labels(model=model, pool=pool, health=health).set(n)
+    for (model, pool), (sched, free, total, queue) in pools.items():
+        POOL_SCHEDULABLE.labels(model=model, pool=pool).set(sched)
+        used = 1.0 - free / total if total > 0 else 0.0
+        POOL_KV_USED_RATIO.labels(model=model, pool=pool).set(min(1.0, max(0.0, used)))
+        POOL_QUEUE_DEPTH.labels(model=model, pool=pool).set(queue)
 
 
 def export_learned(fits: Mapping[str, Any]) -> None:

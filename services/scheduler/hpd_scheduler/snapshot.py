@@ -159,6 +159,7 @@ class FleetSnapshot(SchedulerState):
         self._fleet = fleet
         metrics.FLEET_REBUILD_SECONDS.observe(time.perf_counter() - start)
         metrics.FLEET_WORKERS.set(len(views))
+        metrics.export_pools(views)
         return fleet
 
     def fleet(self) -> Fleet:

@@ -146,7 +146,7 @@ def test_the_name_reader_knows_the_services_metrics() -> None:
     assert "hpd_scheduler_rejections" not in families
     assert families["hpd_kv_sessions_total"].labels == {"state"}
     assert metrics_in('sum(rate(hpd_x_total{a="hpd_y"}[5m])) / hpd:z:ratio') == {"hpd_x_total"}
-    assert label_problems('sum by (pool) (hpd_agent_engine_up{pool="a"})', families) == [
-        "hpd_agent_engine_up{pool}",
-        "by/on (pool)",
+    assert label_problems('sum by (rack) (hpd_agent_engine_up{rack="a"})', families) == [
+        "hpd_agent_engine_up{rack}",
+        "by/on (rack)",
     ]
