@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import json
 import os
 import shutil
@@ -65,6 +66,19 @@ def _load_prctl() -> Any:
 
 
 _PRCTL = _load_prctl()  # resolved here: the forked child must not load libraries
+
+
+@functools.cache
+def _setpriv() -> str | None:
+    """util-linux's `setpriv` when it knows ``--pdeathsig`` (2.33 and later), else None."""
+    path = shutil.which("setpriv")
+    if path is None:
+        return None
+    try:
+        done = subprocess.run([path, "--help"], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return path if "--pdeathsig" in done.stdout else None
 
 
 def _die_with_parent() -> None:
@@ -196,15 +210,23 @@ class EmbeddedRedis:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         args = self._args()
         self._take_over_orphan()
+        # the death signal follows the thread that forks: only from the main thread
+        die = self.die_with_owner and threading.current_thread() is threading.main_thread()
+        preexec = None
+        if die and _setpriv() is not None:
+            # setpriv sets it and execs redis-server (same pid): no preexec_fn, so Python
+            # spawns without a full fork and no fork handler of gRPC's runs in the child
+            # (with one, a child once died before its exec: "epoll_wait error: Bad file
+            # descriptor" from gRPC's poller, its fd closed by close_fds)
+            args = [str(_setpriv()), "--pdeathsig", "TERM", *args]
+        elif die:
+            preexec = _die_with_parent
         self._proc = subprocess.Popen(
             args,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
-            # the death signal follows the thread that forks: only from the main thread
-            preexec_fn=_die_with_parent
-            if self.die_with_owner and threading.current_thread() is threading.main_thread()
-            else None,
+            preexec_fn=preexec,
         )
         self._write_owner()
         deadline = time.monotonic() + timeout_s
