@@ -57,6 +57,7 @@ MODULES: tuple[str, ...] = (
     "hpd_scheduler.policy.links",
     "hpd_scheduler.policy.mechanisms",
     "hpd_scheduler.policy.pairing",
+    "hpd_scheduler.policy.admission",
     "hpd_scheduler.policy.planner",
     "hpd_scheduler.policy.plugins",
     "hpd_scheduler.policy.prefix",

@@ -421,7 +421,7 @@ def test_a_worker_too_slow_for_the_target_alone_serves_while_lightly_loaded() ->
     no load is to blame, so the TPOT admission does not refuse it while its load at most
     doubles that step (an idle fleet would otherwise turn the request away for good); once
     its prefills stretch the step further, it is past capacity and refused."""
-    from hpd_scheduler.policy.planner import solo_step_ms
+    from hpd_scheduler.policy.admission import solo_step_ms
 
     req = request(1000, 200, "interactive")
     tier = DEFAULT.tier("interactive")

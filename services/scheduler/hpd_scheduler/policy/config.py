@@ -30,7 +30,7 @@ from typing import Any
 
 from .domain import ResourceNeed, Tier
 from .errors import InvalidInputError
-from .framework import Filter, Picker, Scorer
+from .framework import Filter, OptionFilter, Picker, Scorer
 from .serving import DEFAULT_LADDER, LadderStep
 
 __all__ = [
@@ -160,6 +160,9 @@ class Profile:
     default_tier: str = "standard"
     chain_length: int = 3
     slo_objective: SloObjective | None = None
+    # the stage after pairing (``admission.py``), in order; None: the built-in ones the
+    # tiers and the SLO objective ask for (``admission.default_option_filters``)
+    option_filters: tuple[OptionFilter, ...] | None = None
 
     def tier(self, name: str) -> Tier:
         """The tier called ``name`` ('' = the default tier); InvalidInputError if unknown."""

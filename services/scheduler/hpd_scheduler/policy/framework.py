@@ -5,6 +5,8 @@ Modelled on the Kubernetes scheduler framework and the inference gateway's endpo
 * a :class:`Filter` keeps some workers and gives a reason for each one it drops;
 * a :class:`Scorer` maps a worker (or a worker and its partner) to a value in [0, 1]; it knows
   no weight, the profile does;
+* an :class:`OptionFilter` keeps the paired options within a limit (the tier's hard TTFT,
+  admission past capacity); when it keeps none the request is refused with its reason;
 * a :class:`Picker` returns its input ranked; the head is the plan, the tail the fallbacks.
 
 Each plugin type has a kebab-case type name, a frozen ``Params`` dataclass of validated
@@ -33,6 +35,7 @@ __all__ = [
     "FilterResult",
     "NoParams",
     "Option",
+    "OptionFilter",
     "Picker",
     "Plugin",
     "PluginRegistry",
@@ -284,6 +287,30 @@ class Filter(Plugin):
     ) -> FilterResult:
         """Apply :meth:`drop_reason` to each worker; never adds a worker."""
         return split_workers(workers, lambda ws: self.drop_reason(ws, role, ctx))
+
+
+class OptionFilter(Plugin):
+    """After pairing: the options within this filter's limit for the request.
+
+    ``bound(ctx)`` is the limit for this request (None: the filter does not apply to it);
+    ``keep(options, ctx, bound)`` the options it keeps (all at once, so a filter may judge
+    an option against the others). When it keeps none the planner refuses the request
+    (SATURATED) with ``reject_reason``, notes ``all_options_exceed_<note>:<bound>`` in the
+    record, and suggests ``retry_ms(options, bound, default_ms)`` (by default the tier's
+    queue budget, ``default_ms``)."""
+
+    kind: ClassVar[str] = "filter of options"
+    note: ClassVar[str] = ""
+    reject_reason: ClassVar[str] = ""
+
+    def bound(self, ctx: RequestContext) -> float | None:
+        raise NotImplementedError
+
+    def keep(self, options: list[Option], ctx: RequestContext, bound: float) -> list[Option]:
+        raise NotImplementedError
+
+    def retry_ms(self, options: list[Option], bound: float, default_ms: float) -> float:
+        return default_ms
 
 
 class Scorer(Plugin):

@@ -31,15 +31,13 @@ Stages of :meth:`Planner.plan`:
      then get the whole-path TTFT (+ the decode worker's admission wait) and are ranked by
      the SLO targets they are predicted to keep before the weighted factors;
 
-6. drop options above the tier's hard TTFT limit; with the SLO objective's
-   ``admit_ttft_factor``, refuse the request when every option is predicted past that
-   multiple of the tier's TTFT target (admission past capacity; a request expecting k > 1
-   times the traffic's mean output is judged at k times its decode admission wait), and with its
-   ``admit_tpot_factor`` when every option left is predicted past that multiple of the TPOT
-   target (an option with no TPOT estimate passes); rank the rest with the
-   picker; apply the ladder: throttle (refuse tiers that may be throttled, with a retry
-   delay), lower the batch cap (recorded; the service turns it into max-batch-size
-   directives with ``balance.adapt_batch_size``), fall back to a shared pool (SAME_POOL
+6. run the profile's option filters in order (``admission.py``; by default the tier's hard
+   TTFT, then admission past capacity by TTFT and by TPOT, from the SLO objective's admit
+   factors): each keeps the options within its limit, and one that keeps none refuses the
+   request with its reason; rank the rest with the picker; apply the ladder: throttle
+   (refuse tiers that may be throttled, with a retry delay), lower the batch cap
+   (recorded; the service turns it into max-batch-size directives with
+   ``balance.adapt_batch_size``), fall back to a shared pool (SAME_POOL
    options first, decision REROUTE), shed (refuse the lowest sheddable tier); build the
    fallback chain.
 
@@ -50,15 +48,15 @@ size up to the scan bound.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 
+from .admission import default_option_filters
 from .config import Profile
 from .decision import Decision, DecisionRecord, RejectClass
 from .domain import DecisionKind, Mode, Request, ResourceNeed, Role, Tier
 from .fleet import Fleet, ModelIndex
-from .framework import Candidate, Option, RequestContext
+from .framework import Candidate, Option, OptionFilter, RequestContext
 from .mechanisms import classify_need
-from .pairing import Pairing, own_ms
+from .pairing import Pairing
 from .preselect import Preselection
 from .results import fallback_chain, plan_of
 from .serving import Action, Protects, ServingAction, select_action
@@ -74,14 +72,18 @@ _REJECT_SATURATED = ServingAction(Action.REJECT, Protects.LATENCY)
 class Planner:
     """Runs one :class:`~.config.Profile` through its stages: `preselection` (filter and
     score, `preselect.py`), `pairing` (options and their scores, `pairing.py`), then the
-    limits, the profile's picker and the serving-action ladder here. Holds only the
+    option filters, the profile's picker and the serving-action ladder here. Holds only the
     round-robin cursors (in `preselection`: state the round-robin baseline needs);
     everything else comes in per call."""
 
-    __slots__ = ("_weights", "pairing", "preselection", "profile")
+    __slots__ = ("_weights", "option_filters", "pairing", "preselection", "profile")
 
     def __init__(self, profile: Profile) -> None:
         self.profile = profile
+        filters = profile.option_filters
+        self.option_filters: tuple[OptionFilter, ...] = (
+            filters if filters is not None else default_option_filters(profile.slo_objective)
+        )
         self.preselection = Preselection(profile)
         self.pairing = Pairing(profile, self.preselection)
         # every record shares these (records only read them)
@@ -135,7 +137,7 @@ class Planner:
         if self.pairing.pairwise:
             record.explain = lambda o: self.pairing.pair_factors(o, ctx)
 
-        kept = self._within_limits(options, request, need, tier, record)
+        kept = self._within_limits(options, ctx, need, record)
         if isinstance(kept, Decision):
             return kept
         # independent mode returns its options already in picker order
@@ -252,76 +254,26 @@ class Planner:
     def _within_limits(
         self,
         options: list[Option],
-        request: Request,
+        ctx: RequestContext,
         need: ResourceNeed,
-        tier: Tier,
         record: DecisionRecord,
     ) -> list[Option] | Decision:
-        """The options within the limits (the tier's hard TTFT, then admission past
-        capacity by TTFT and by TPOT), or the refusal when none is."""
-        prof = self.profile
-        # (note, reject reason, bound, keep, kept instead when keep keeps none)
-        limits: list[
-            tuple[str, str, float, Callable[[Option], bool], Callable[[Option], bool] | None]
-        ] = []
-        hard = tier.hard_ttft_ms
-        if hard is not None:
-            limits.append(
-                ("hard_ttft_ms", "exceeds_hard_ttft", hard, lambda o: o.ttft_ms <= hard, None)
-            )
-        slo = prof.slo_objective
-        if slo is not None and slo.admit_ttft_factor > 0:
-            # admission: every option predicted past factor x the tier's TTFT target (with
-            # admit_extra_ms, a long output's slot held longer), the fleet is past capacity for
-            # the tier; refused now (with a retry delay) a request does not queue before ones
-            # that can still make theirs. A prompt too long for the limit on every worker is
-            # served while it waits no longer than it works (an idle fleet never refuses)
-            limit = tier.ttft_ms * slo.admit_ttft_factor
-            too_long = bool(options) and min(own_ms(o) for o in options) > limit
-            limits.append(
-                (
-                    "admission_ttft_ms",
-                    "ttft_over_admission_limit",
-                    limit,
-                    lambda o: (
-                        o.ttft_ms + o.admit_extra_ms <= limit
-                        or (too_long and o.ttft_ms <= 2.0 * own_ms(o))
-                    ),
-                    None,
-                )
-            )
-        if slo is not None and slo.admit_tpot_factor > 0:
-            # the same past capacity for TPOT: every option left would decode on a worker
-            # whose batch, with the prefills it is taking, runs past the tier's TPOT target.
-            # When none is, a worker too slow for the limit even decoding this request alone
-            # serves while its load at most doubles that step (as a too-long prompt does
-            # above): not past capacity, and an idle fleet must not refuse. Only then and
-            # only such workers: applied beside options within the limit, or to workers that
-            # could meet it alone, it let through requests that then missed (bench/README.md)
-            tpot_limit = tier.tpot_ms * slo.admit_tpot_factor
-            limits.append(
-                (
-                    "admission_tpot_ms",
-                    "tpot_over_admission_limit",
-                    tpot_limit,
-                    lambda o: o.tpot_ms <= tpot_limit,
-                    lambda o: _too_slow_alone(o, request, tpot_limit),
-                )
-            )
-        for note, reason, bound, keep, instead in limits:
-            ok = [o for o in options if keep(o)]
-            if not ok and instead is not None:
-                ok = [o for o in options if instead(o)]
+        """The options every option filter keeps, in the profile's order (``admission.py``:
+        the tier's hard TTFT, then admission past capacity by TTFT and by TPOT), or the
+        refusal with the first filter's reason that keeps none."""
+        for f in self.option_filters:
+            bound = f.bound(ctx)
+            if bound is None:
+                continue
+            ok = f.keep(options, ctx, bound)
             if not ok:
-                record.notes.append(f"all_options_exceed_{note}:{bound:g}")
-                retry = self._retry_ms(tier)
-                if reason == "ttft_over_admission_limit":
-                    retry = _admission_retry_ms(min(o.ttft_ms for o in options), bound, retry)
+                record.notes.append(f"all_options_exceed_{f.note}:{bound:g}")
+                retry = f.retry_ms(options, bound, self._retry_ms(ctx.tier))
                 return self._reject(
-                    request,
+                    ctx.request,
                     need,
                     _REJECT_SATURATED,
-                    (reason,),
+                    (f.reject_reason,),
                     RejectClass.SATURATED,
                     retry,
                     record,
@@ -442,37 +394,6 @@ class Planner:
             retry_after_ms=retry,
             record=record,
         )
-
-
-ADMISSION_RETRY_FLOOR_MS = 100.0
-"""The shortest retry delay an admission refusal suggests (gRPC carries milliseconds; the
-gateway's HTTP Retry-After rounds up to whole seconds)."""
-
-
-def _admission_retry_ms(best_ttft_ms: float, limit_ms: float, most_ms: float) -> float:
-    """The retry delay of an admission refusal: how far the best option's predicted TTFT is
-    past the limit, i.e. how long the work queued ahead of this request must drain before a
-    request like it fits (with no new arrivals), at least ``ADMISSION_RETRY_FLOOR_MS`` and at
-    most ``most_ms`` (the tier's queue budget, the delay every other refusal suggests). The
-    fixed queue budget told every refused client of the batch tier to stay away 20 s, however
-    close to the limit its request was: three such refusals cut a real-engine benchmark's
-    throughput at 8 in flight to 0.36 of the peer's (bench/README.md, gateway.py)."""
-    return min(most_ms, max(ADMISSION_RETRY_FLOOR_MS, best_ttft_ms - limit_ms))
-
-
-def solo_step_ms(o: Option, request: Request) -> float:
-    """The decode step of ``o``'s decode worker with only this request running (its prompt
-    and half its output resident; the same figures as ``Candidate.step_ms``)."""
-    ws = o.d.ws
-    own = request.prompt_tokens + request.expected_output_tokens * 0.5
-    return ws.cap.decode_step_ms(own) * ws.m_d + ws.d_seq
-
-
-def _too_slow_alone(o: Option, request: Request, limit_ms: float) -> bool:
-    """``o``'s decode worker misses ``limit_ms`` even decoding this request alone, and its
-    load no more than doubles that step (the TPOT admission's exception)."""
-    solo = solo_step_ms(o, request)
-    return solo > limit_ms and o.tpot_ms <= 2.0 * solo
 
 
 def apply_reservations(fleet: Fleet, decision: Decision) -> None:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
+from .admission import HardTtftFilter, TpotAdmissionFilter, TtftAdmissionFilter
 from .capacity import confidence
 from .domain import Role
 from .errors import InvalidInputError
@@ -361,6 +362,6 @@ for _plugin in (
     WorkLoadScorer, SeedQueueScorer, QueueWaitScorer, SeedNetworkScorer, LinkTransferScorer,
     SeedModelScorer, PrefixCacheScorer, SeedItlScorer, TierItlScorer, MemoryScorer, BatchScorer,
     BandwidthScorer, StalenessScorer, BlindLoadScorer, UniformScorer, MaxScorePicker,
-    RandomPicker, RoundRobinPicker,
+    RandomPicker, RoundRobinPicker, HardTtftFilter, TtftAdmissionFilter, TpotAdmissionFilter,
 ):  # fmt: skip
     REGISTRY.register(_plugin)

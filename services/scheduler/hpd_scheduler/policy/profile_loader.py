@@ -24,7 +24,7 @@ from .config import (
 )
 from .domain import ResourceNeed, Role, Tier
 from .errors import ConfigError, InvalidInputError
-from .framework import Filter, Picker, Plugin, PluginRegistry, Scorer
+from .framework import Filter, OptionFilter, Picker, Plugin, PluginRegistry, Scorer
 from .plugins import REGISTRY
 from .serving import DEFAULT_LADDER, Action, LadderStep, Protects
 
@@ -53,6 +53,7 @@ _TOP_KEYS = {
     "chain_length",
     "description",
     "slo_objective",
+    "option_filters",
 }
 
 
@@ -134,6 +135,13 @@ def parse_profile(doc: Any, registry: PluginRegistry = REGISTRY, root: str = "")
     slo_objective = None
     if data.get("slo_objective") is not None:
         slo_objective = _slo_objective(data["slo_objective"], p)
+    option_filters: tuple[OptionFilter, ...] | None = None
+    if "option_filters" in data:  # absent: the built-in ones (admission.default_option_filters)
+        raw = data["option_filters"] or []
+        _req(isinstance(raw, list), f"{p}option_filters", "must be a list of plugin names")
+        option_filters = tuple(
+            _option_filter(instances, name, f"{p}option_filters[{i}]") for i, name in enumerate(raw)
+        )
 
     return Profile(
         name=str(name),
@@ -153,7 +161,15 @@ def parse_profile(doc: Any, registry: PluginRegistry = REGISTRY, root: str = "")
         default_tier=default_tier,
         chain_length=_int(data, "chain_length", 3, p.rstrip(".") or "profile", 0),
         slo_objective=slo_objective,
+        option_filters=option_filters,
     )
+
+
+def _option_filter(instances: dict[str, Plugin], value: Any, path: str) -> OptionFilter:
+    """The option filter instance ``value`` names (``option_filters:``, in order)."""
+    f = _ref(instances, value, path, OptionFilter)
+    assert isinstance(f, OptionFilter)
+    return f
 
 
 def _plugin_instances(
