@@ -3,8 +3,12 @@ profile, applied in order, each refusing with its own reason when it keeps no op
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 from importlib import resources
+from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
@@ -31,6 +35,7 @@ from hpd_scheduler.policy.framework import Option, OptionFilter, PluginRegistry,
 from .builders import NOW, request, worker
 
 DEFAULT = builtin_profile("default")
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _doc() -> dict[str, Any]:
@@ -140,9 +145,9 @@ def test_an_admission_factor_out_of_range_is_refused(factor: float) -> None:
         parse_profile(doc)
 
 
-def test_a_newcomers_option_filter_is_a_plugin_like_the_others() -> None:
-    """A filter of one's own (here: refuse any plan whose prefill queue is over 1 s) plugs
-    into a registry and a profile without touching the planner."""
+def newcomers_filter_refuses() -> None:
+    """A filter of one's own (here: refuse any plan whose prefill waits at all) plugs into a
+    registry and a profile without touching the planner."""
 
     class QueueWaitCap(OptionFilter):
         type_name: ClassVar[str] = "queue-wait-cap"
@@ -165,4 +170,17 @@ def test_a_newcomers_option_filter_is_a_plugin_like_the_others() -> None:
     prof = parse_profile(doc, registry=registry)
     busy = [worker("p", Stage.PREFILL, queue=40, rack="r1"), worker("d", Stage.DECODE, queue=40)]
     d = Planner(prof).plan(request(4000, 50), Fleet.build(busy, NOW), NOW, random.Random(0))
-    assert d.plan is None and d.reject_reasons == ("queue_wait_over_cap",)
+    assert d.plan is None and d.reject_reasons == ("queue_wait_over_cap",), d
+
+
+def test_a_newcomers_option_filter_is_a_plugin_like_the_others() -> None:
+    """Run on the pure-Python core (``HPD_NATIVE=0``, as an install without the compiled
+    core runs): a compiled base class takes no interpreted subclass instance, so a plugin of
+    one's own is either run so or compiled with the core (``hpd_common.native.MODULES``)."""
+    code = "from tests.unit.policy.test_option_filters import newcomers_filter_refuses as f; f()"
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT, env={**os.environ, "HPD_NATIVE": "0"},
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]

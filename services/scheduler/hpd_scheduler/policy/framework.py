@@ -12,6 +12,11 @@ Modelled on the Kubernetes scheduler framework and the inference gateway's endpo
 Each plugin type has a kebab-case type name, a frozen ``Params`` dataclass of validated
 parameters with defaults, and a docstring with its formula. Profiles (``config.py``) name
 instances of these types and weight the scorers.
+
+A plugin of one's own subclasses these and is registered in a ``PluginRegistry`` passed to
+the profile loader. With the compiled core in use (``hpd_common.native``) a compiled base
+class takes no interpreted subclass's instance: run such a plugin on the pure-Python core
+(``HPD_NATIVE=0``) or add its module to ``native.MODULES`` so it is compiled with the core.
 """
 
 from __future__ import annotations
