@@ -170,6 +170,7 @@ class SchedulerService(PolicyAndDirectives, OutcomeReports, RouteRecords, Schedu
         self._changed = asyncio.Event()
         self._totals: dict[str, Totals] = {}
         self._applied: dict[str, Totals] = {}  # what the snapshot counts (_effective)
+        self._in_flight: dict[int, ReservationAsk] = {}  # reservation scripts under way
         self._batch_caps: dict[str, int] = {}
         self.explanations = ExplanationWriter(self.store)
         self._tasks: list[asyncio.Task[None]] = []
