@@ -23,6 +23,7 @@ from pathlib import Path
 
 from prometheus_client import REGISTRY
 
+from hpd_common import tracing
 from hpd_common.channels import CallIdentity
 from hpd_common.clock import SystemClock
 from hpd_common.errors import InvalidArgument
@@ -146,6 +147,12 @@ class AgentSettings:
     metrics_host: str = field(default="127.0.0.1", metadata={"help": "address of /metrics"})
     log_level: str = field(default="info", metadata={"help": "debug, info, warning or error"})
     json_logs: bool | None = field(default=None, metadata={"help": "JSON logs (default: no TTY)"})
+    tracing: bool = field(
+        default=False,
+        metadata={"help": "OpenTelemetry traces of the agent's calls to the registry, exported "
+                  "over OTLP as the standard OTEL_* variables say (OTEL_EXPORTER_OTLP_ENDPOINT,"
+                  " OTEL_TRACES_SAMPLER, ...)"},
+    )  # fmt: skip
 
 
 def _labels(text: str) -> tuple[tuple[str, str], ...]:
@@ -234,7 +241,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{prog}: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     serve_metrics(settings.metrics_port, settings.metrics_host)
-    return asyncio.run(_run(settings, flags))
+    tracing.configure(settings.tracing, "hpd-agent")
+    try:
+        return asyncio.run(_run(settings, flags))
+    finally:
+        tracing.shutdown()
 
 
 if __name__ == "__main__":

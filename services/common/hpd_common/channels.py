@@ -21,6 +21,7 @@ from typing import Any
 
 import grpc
 
+from hpd_common import tracing_interceptor
 from hpd_common.errors import InvalidArgument
 
 Options = Sequence[tuple[str, Any]]
@@ -182,18 +183,20 @@ def aio_channel(
     target: str, identity: CallIdentity | None = None, options: Options | None = None
 ) -> grpc.aio.Channel:
     """An asyncio channel to ``target`` speaking as ``identity`` (plaintext, anonymous when
-    None)."""
+    None); while this process traces, its unary calls carry their trace context."""
     identity = identity or CallIdentity()
     creds = identity.credentials()
     extra = identity.metadata()
-    interceptors = (
-        [k(extra) for k in (_AioUnaryUnary, _AioUnaryStream, _AioStreamUnary, _AioStreamStream)]
-        if identity.token
-        else None
-    )
+    interceptors: list[Any] = tracing_interceptor.client_interceptors()  # none while off
+    if identity.token:
+        interceptors += [
+            k(extra) for k in (_AioUnaryUnary, _AioUnaryStream, _AioStreamUnary, _AioStreamStream)
+        ]
     if creds is not None:
-        return grpc.aio.secure_channel(target, creds, options=options, interceptors=interceptors)
-    return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
+        return grpc.aio.secure_channel(
+            target, creds, options=options, interceptors=interceptors or None
+        )
+    return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors or None)
 
 
 def sync_channel(

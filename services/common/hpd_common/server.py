@@ -25,7 +25,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from hetero_pd.v1 import diagnostics_pb2, diagnostics_pb2_grpc
-from hpd_common import auth_interceptor
+from hpd_common import auth_interceptor, tracing, tracing_interceptor
 from hpd_common.aio import cancel_and_wait
 from hpd_common.channels import CallSettings
 from hpd_common.diagnostics import DiagnosticsApi
@@ -36,6 +36,10 @@ from hpd_common.redis_conn import RedisHealthProbe
 
 log = get_logger("server")
 
+TRACING_HELP = (
+    "OpenTelemetry traces of this service's RPCs, exported over OTLP as the standard OTEL_* "
+    "variables say (OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_SERVICE_NAME, OTEL_TRACES_SAMPLER, ...)"
+)
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -76,6 +80,7 @@ class ServerSettings(CallSettings):
     )  # fmt: skip
     log_level: str = field(default="info", metadata={"help": "debug, info, warning or error"})
     json_logs: bool | None = field(default=None, metadata={"help": "JSON logs (default: no TTY)"})
+    tracing: bool = field(default=False, metadata={"help": TRACING_HELP})
     shutdown_grace_s: float = field(default=5.0, metadata={"help": "drain time on SIGTERM"})
     insecure: bool = field(
         default=False,
@@ -248,7 +253,11 @@ class GrpcServer:
             ("grpc.so_reuseport", 1) if k == "grpc.so_reuseport" and self.reuse_port else (k, v)
             for k, v in SERVER_OPTIONS
         ]
-        server = grpc.aio.server(options=options, interceptors=interceptors)
+        # tracing outermost (its span covers the auth check); none while tracing is off
+        server = grpc.aio.server(
+            options=options,
+            interceptors=[*tracing_interceptor.server_interceptors(), *interceptors],
+        )
         self.component.add_to_server(server)
         diagnostics_pb2_grpc.add_DiagnosticsServiceServicer_to_server(
             DiagnosticsApi(self.redis), server
@@ -426,8 +435,11 @@ def serve_main(
 
     try:
         serve_metrics(settings.metrics_port, settings.host)
+        tracing.configure(settings.tracing, prog.replace(" ", "-"))
         asyncio.run(serve())
     except InvalidArgument as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
+    finally:
+        tracing.shutdown()
     return 0

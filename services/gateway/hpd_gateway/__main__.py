@@ -25,7 +25,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import REGISTRY, CollectorRegistry
 
-from hpd_common import aio
+from hpd_common import aio, tracing
 from hpd_common.channels import CallSettings
 from hpd_common.errors import InvalidArgument
 from hpd_common.exposure import check_exposure
@@ -128,6 +128,12 @@ class GatewaySettings(CallSettings):
     )
     log_level: str = field(default="info", metadata={"help": "debug, info, warning or error"})
     json_logs: bool | None = field(default=None, metadata={"help": "JSON logs (default: no TTY)"})
+    tracing: bool = field(
+        default=False,
+        metadata={"help": "OpenTelemetry traces of every request (a span per step, its "
+                  "traceparent sent to the scheduler and the engines), exported over OTLP as "
+                  "the standard OTEL_* variables say (OTEL_EXPORTER_OTLP_ENDPOINT, ...)"},
+    )  # fmt: skip
 
 
 def _pairs(text: str, name: str) -> tuple[tuple[str, str], ...]:
@@ -314,7 +320,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (InvalidArgument, KeyFileError, ValueError) as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
-    aio.run(serve(settings))
+    tracing.configure(settings.tracing, "hpd-gateway")
+    try:
+        aio.run(serve(settings))
+    finally:
+        tracing.shutdown()
     return 0
 
 

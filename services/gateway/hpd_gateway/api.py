@@ -6,9 +6,10 @@ fresh). ``/metrics`` is served on a listener of its own (``build_metrics_app``):
 port does not show engines' addresses. Headers read: ``x-request-id`` (else one is made; it
 is echoed back), ``Authorization: Bearer <key>`` (with ``--api-keys``: the tenant, its tiers
 and limits, ``keys.py``), ``x-hpd-tier`` (within what the key allows; else the key's tier,
-else the default). Answers carry ``x-request-id`` and a ``Server-Timing`` header with the
-gateway's own steps (``tokenize``, ``schedule``, and for a transfer the ``prefill`` call) in
-milliseconds.
+else the default), ``traceparent`` (with ``--tracing``: the request's span continues the
+client's trace; ``service.py`` lists its children). Answers carry ``x-request-id`` and a
+``Server-Timing`` header with the gateway's own steps (``tokenize``, ``schedule``, and for
+a transfer the ``prefill`` call) in milliseconds.
 
 What an outsider cannot exhaust: the body is read under ``body_timeout_s`` (408 after it)
 and a request takes its place among the ``max_concurrent`` in flight only once its body is
@@ -34,9 +35,11 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from hpd_common import tracing
 from hpd_common.logging import get_logger
 
 from .keys import ApiKey, ApiKeys
+from .plan import Outcome
 from .protocol import CHAT, COMPLETIONS, ClientRequest, GatewayError, error_body, parse_request
 from .service import Gateway
 
@@ -89,6 +92,29 @@ class _HttpSink:
         if retry_after_s:
             headers["Retry-After"] = str(retry_after_s)
         self.response = web.json_response(body, status=status, headers=headers)
+
+
+_SPANS = {COMPLETIONS: "POST /v1/completions", CHAT: "POST /v1/chat/completions"}
+"""The request span's name per endpoint (HTTP method and route)."""
+
+
+def _request_attributes(
+    request: web.Request, sid: str, req: ClientRequest, tier: str
+) -> dict[str, tracing.AttributeValue]:
+    return {
+        "http.request.method": request.method, "url.path": request.path,
+        "hpd.request_id": sid, "hpd.model": req.model, "hpd.tier": tier,
+        "hpd.stream": req.stream,
+    }  # fmt: skip
+
+
+def _outcome_attributes(out: Outcome) -> dict[str, tracing.AttributeValue]:
+    """What happened, as the outcome report tells the scheduler (``plan.Outcome``)."""
+    return {
+        "hpd.mode": out.mode or "none", "hpd.success": out.success,
+        "hpd.error_class": out.error_class, "hpd.fallbacks": out.fallbacks,
+        "hpd.ttft_ms": round(out.ttft_ms, 3), "hpd.output_tokens": out.output_tokens,
+    }  # fmt: skip
 
 
 def _error(exc: GatewayError, request_id: str = "") -> web.Response:
@@ -154,6 +180,14 @@ class _Routes:
         return "t-" + hashlib.sha256(sid.encode()).hexdigest()[:40]
 
     async def serve(self, request: web.Request, kind: str) -> web.StreamResponse:
+        """One request in its SERVER span (continuing the client's ``traceparent``, if it
+        sent one; the no-op span while tracing is off)."""
+        with tracing.server_span(_SPANS[kind], request.headers) as span:
+            return await self._serve(request, kind, span)
+
+    async def _serve(
+        self, request: web.Request, kind: str, span: tracing.Span
+    ) -> web.StreamResponse:
         rid = request.headers.get("x-request-id", "")
         rid = rid if _REQUEST_ID.match(rid) else "gw-" + uuid.uuid4().hex
         key: ApiKey | None = None
@@ -168,6 +202,8 @@ class _Routes:
             else:
                 req = parse_request(kind, raw)
             sid = self._scheduler_id(key, rid)
+            if tracing.enabled():
+                span.set_attributes(_request_attributes(request, sid, req, tier))
             if sid in self.active:
                 raise GatewayError(
                     409, f"a request with the id {rid!r} is still in flight",
@@ -197,6 +233,9 @@ class _Routes:
         finally:
             if key is not None:
                 self.gateway.metrics.tenant_requests.labels(key.tenant, str(status)).inc()
+            span.set_attribute("http.response.status_code", status)
+            if status >= 500:
+                span.set_status(tracing.Status(tracing.StatusCode.ERROR, f"HTTP {status}"))
 
     async def _serve_counted(
         self,
@@ -216,7 +255,9 @@ class _Routes:
                 key.charge(tokens, time.monotonic())
                 tenant_tokens.inc(tokens)
 
-        await self.gateway.handle(req, sink, request_id=sid, tier=tier, charge=charge)
+        out = await self.gateway.handle(req, sink, request_id=sid, tier=tier, charge=charge)
+        if tracing.enabled():
+            tracing.current_span().set_attributes(_outcome_attributes(out))
         if sink.response is None:  # nothing was sent: cannot happen, answer honestly
             return _error(GatewayError(500, "no answer was produced", type_="server_error"))
         if isinstance(sink.response, web.StreamResponse) and not isinstance(

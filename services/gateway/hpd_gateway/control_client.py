@@ -21,6 +21,7 @@ from hetero_pd.v1 import kvbroker_pb2 as kb
 from hetero_pd.v1 import kvbroker_pb2_grpc as kb_grpc
 from hetero_pd.v1 import scheduler_pb2 as s
 from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
+from hpd_common import tracing
 from hpd_common.channels import CallIdentity, aio_channel
 from hpd_common.logging import get_logger
 from hpd_common.worker_model import Stage
@@ -168,69 +169,87 @@ class ControlPlane:
         self, request_id: str, model: str, prompt_tokens: int, output_tokens: int, tier: str,
         prefix: tuple[int, ...] = (), block_tokens: int = 0,
     ) -> Plan:  # fmt: skip
-        req = s.ScheduleRequest(
-            request_id=request_id,
-            model_id=model,
-            prompt_tokens=prompt_tokens,
-            expected_output_tokens=output_tokens,
-            tier=tier,
-            prefix_block_hashes=list(prefix),
-            prefix_block_tokens=block_tokens if prefix else 0,
-        )
-        stream = self._next_stream()
-        if stream is not None:
+        """The scheduler's plan for the request (module docstring), in a ``schedule`` span
+        whose context the scheduler continues (in the message over the stream, in the
+        metadata of a unary call, which also carries the request id for its logs)."""
+        with tracing.span("schedule"):
+            req = s.ScheduleRequest(
+                request_id=request_id,
+                model_id=model,
+                prompt_tokens=prompt_tokens,
+                expected_output_tokens=output_tokens,
+                tier=tier,
+                prefix_block_hashes=list(prefix),
+                prefix_block_tokens=block_tokens if prefix else 0,
+            )
+            tracing.inject_message(req)  # nothing while tracing is off
+            stream = self._next_stream()
+            if stream is not None:
+                try:
+                    answer = await stream.schedule(req, self.timeout_s)
+                except TimeoutError:
+                    raise _http_error(grpc.StatusCode.DEADLINE_EXCEEDED, "", 0, model) from None
+                except StreamBroken:
+                    pass  # retried unary below, under the same request id (idempotent)
+                else:
+                    if answer.WhichOneof("result") == "response":
+                        return plan_of(answer.response.plan)
+                    err = answer.error
+                    raise _http_error(_CODES.get(err.code, grpc.StatusCode.UNKNOWN), err.message,
+                                      err.retry_after_ms, model)  # fmt: skip
             try:
-                answer = await stream.schedule(req, self.timeout_s)
-            except TimeoutError:
-                raise _http_error(grpc.StatusCode.DEADLINE_EXCEEDED, "", 0, model) from None
-            except StreamBroken:
-                pass  # retried unary below, under the same request id (idempotent)
-            else:
-                if answer.WhichOneof("result") == "response":
-                    return plan_of(answer.response.plan)
-                err = answer.error
-                raise _http_error(_CODES.get(err.code, grpc.StatusCode.UNKNOWN), err.message,
-                                  err.retry_after_ms, model)  # fmt: skip
-        try:
-            resp = await self._unary().Schedule(req, timeout=self.timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            retry = dict(exc.trailing_metadata() or ()).get("retry-after-ms", "0")
-            raise _http_error(
-                exc.code(), exc.details() or "", int(retry) if str(retry).isdigit() else 0, model
-            ) from exc
-        return plan_of(resp.plan)
+                resp = await self._unary().Schedule(
+                    req, timeout=self.timeout_s, metadata=(("x-request-id", request_id),)
+                )
+            except grpc.aio.AioRpcError as exc:
+                retry = dict(exc.trailing_metadata() or ()).get("retry-after-ms", "0")
+                raise _http_error(
+                    exc.code(),
+                    exc.details() or "",
+                    int(retry) if str(retry).isdigit() else 0,
+                    model,
+                ) from exc
+            return plan_of(resp.plan)
 
     def _unary(self) -> s_grpc.SchedulerServiceStub:
         self._unary_turn = (self._unary_turn + 1) % len(self._stubs)
         return self._stubs[self._unary_turn]
 
     async def report(self, request_id: str, out: Outcome) -> None:
-        req = s.ReportOutcomeRequest(
-            request_id=request_id,
-            success=out.success,
-            error_class=out.error_class[:128],
-            ttft_ms=out.ttft_ms,
-            tpot_ms=out.tpot_ms,
-            mode_used=_MODE_PB.get(out.mode, s.EXECUTION_MODE_UNSPECIFIED),
-            prefill_ms=out.prefill_ms,
-            output_tokens=out.output_tokens,
-        )
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.report_budget_s
-        delay = 0.1
-        while True:
-            try:
-                await self._unary().ReportOutcome(req, timeout=self.timeout_s)
-                return
-            except grpc.aio.AioRpcError as exc:
-                # idempotent at the scheduler (an outcome is attached once), so a report the
-                # control plane could not take (Redis failing over, a scheduler restarting)
-                # is sent again: without it the record never says what happened
-                if exc.code() not in _RETRYABLE or loop.time() + delay > deadline:
-                    log.warning("outcome_not_reported", request_id=request_id, code=exc.code().name)
+        """``ReportOutcome``, sent again while the control plane is away (module docstring),
+        in a ``report`` span."""
+        with tracing.span("report"):
+            req = s.ReportOutcomeRequest(
+                request_id=request_id,
+                success=out.success,
+                error_class=out.error_class[:128],
+                ttft_ms=out.ttft_ms,
+                tpot_ms=out.tpot_ms,
+                mode_used=_MODE_PB.get(out.mode, s.EXECUTION_MODE_UNSPECIFIED),
+                prefill_ms=out.prefill_ms,
+                output_tokens=out.output_tokens,
+            )
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self.report_budget_s
+            delay = 0.1
+            metadata = (("x-request-id", request_id),)
+            while True:
+                try:
+                    await self._unary().ReportOutcome(
+                        req, timeout=self.timeout_s, metadata=metadata
+                    )
                     return
-            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
-            delay = min(2.0, delay * 2)
+                except grpc.aio.AioRpcError as exc:
+                    # idempotent at the scheduler (an outcome is attached once), so a report the
+                    # control plane could not take (Redis failing over, a scheduler restarting)
+                    # is sent again: without it the record never says what happened
+                    if exc.code() not in _RETRYABLE or loop.time() + delay > deadline:
+                        log.warning(
+                            "outcome_not_reported", request_id=request_id, code=exc.code().name
+                        )
+                        return
+                await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+                delay = min(2.0, delay * 2)
 
     # -- KV session -------------------------------------------------------------------------
 

@@ -1,8 +1,8 @@
 """One client request, end to end: count, schedule, run the plan on the engines, report.
 
-1. **Count** the prompt's tokens with the model's tokenizer when the gateway has it
-   (``tokens.py``), else with an engine's ``/tokenize`` (a decode-capable worker of the
-   model first). A model no worker serves is 404 before anything is scheduled.
+1. **Count** the prompt's tokens (``counting.py``) with the model's tokenizer when the
+   gateway has it (``tokens.py``), else with an engine's ``/tokenize`` (a decode-capable
+   worker of the model first). A model no worker serves is 404 before anything is scheduled.
 2. **Schedule** with the request id, the tier, the prompt and expected output tokens.
 3. **Run** the plan's steps in order, primary first:
 
@@ -27,6 +27,13 @@
 TTFT is measured from the request's arrival at the gateway to the first token event sent
 to the client; TPOT is ``(last - first) / (tokens - 1)``; tokens are counted by the engine's
 usage figure when it sends one, else by events carrying a choice.
+
+While the gateway traces (``--tracing``; ``hpd_common.tracing``), the request's span
+(``api.py``) has a child per step above: ``tokenize``, ``schedule`` (continued by the
+scheduler, and by the broker for the KV session), ``prefill`` and ``decode`` on the engines
+(which get its ``traceparent``), the session calls and ``report``. The engines get the
+request id as ``X-Request-Id``: the plan's for the primary step, ``<id>:<step>`` for a
+fallback (a fallback on the same engine never collides with the step it replaces).
 """
 
 from __future__ import annotations
@@ -40,11 +47,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from hpd_common import tracing
 from hpd_common.kvchain import chain_hashes
 from hpd_common.logging import get_logger
 
 from .control_client import ControlPlane
-from .engine_client import CHOICES, USAGE, EngineHttp, UpstreamError
+from .counting import PromptCounting
+from .engine_client import CHOICES, USAGE, EngineHttp, Hop, UpstreamError
 from .metrics import GatewayMetrics
 from .plan import TRANSFER, Outcome, Plan, Step
 from .protocol import (
@@ -56,19 +65,12 @@ from .protocol import (
     sse_event,
     strip_usage_chunk,
 )
-from .tokens import LocalTokenizers, prompt_token_ids
+from .tokens import LocalTokenizers
 
 __all__ = ["REPLAN_SUFFIX", "Gateway", "GatewayConfig", "Sink"]
 
 log = get_logger("gateway")
 
-TOKENIZE_TIMEOUT_S = 2.0
-"""Counting tokens is milliseconds of work: an engine that takes longer is stuck or
-overloaded, and the next one is asked."""
-TOKENIZE_OFF_LOOP_BYTES = 16 << 10
-"""A prompt in a body past this is tokenized on a worker thread. Below it, encoding takes
-well under a millisecond, less than the thread hop costs; a 4 MiB prompt takes the best part
-of a second, which every stream on the event loop would otherwise wait out."""
 REPLAN_SUFFIX = ":replan"
 """The request id of the one re-plan after a plan's fallback chain ran out is the request's
 id with this suffix (its route record carries the request's final outcome)."""
@@ -113,7 +115,7 @@ class _StepFailed(Exception):
         self.upstream = upstream
 
 
-class Gateway:
+class Gateway(PromptCounting):
     """The use case behind both OpenAI endpoints (module docstring)."""
 
     def __init__(
@@ -162,43 +164,6 @@ class Gateway:
             return (), 0
         return chain_hashes(ids, block)[:MAX_PREFIX_BLOCKS], block
 
-    async def _count_tokens(self, req: ClientRequest) -> tuple[int, list[int] | None]:
-        """The prompt's token count and, when known exactly, its token ids."""
-        endpoints = self.control.tokenizer_endpoints(req.model)
-        ids = prompt_token_ids(req.body) if endpoints else None
-        if ids is not None:  # token ids: counted as sent, no tokenizer and no round trip
-            return len(ids), ids
-        if endpoints and self.tokenizers is not None and req.model in self.tokenizers:
-            if req.body_bytes > TOKENIZE_OFF_LOOP_BYTES:  # the streams keep flowing meanwhile
-                return await asyncio.to_thread(self._local_count, req)
-            return self._local_count(req)
-        if not endpoints:
-            raise GatewayError(
-                404, f"the model {req.model!r} has no worker in the fleet",
-                code="model_not_found", param="model",
-            )  # fmt: skip
-        last: UpstreamError | None = None
-        for ep in endpoints[:3]:
-            try:
-                got = await self.engines.post_json(
-                    ep, "/tokenize", req.prompt_for_tokenize(), timeout_s=TOKENIZE_TIMEOUT_S
-                )
-                count = got.get("count") if isinstance(got, dict) else None
-                if isinstance(count, int) and count >= 0:
-                    ids = got.get("tokens") if isinstance(got, dict) else None
-                    ok = isinstance(ids, list) and all(isinstance(t, int) for t in ids)
-                    return count, (ids if ok else None)
-                last = UpstreamError("bad_reply", ep, "no count in /tokenize")
-            except UpstreamError as exc:
-                if not exc.retryable:
-                    raise GatewayError(400, exc.detail, code="invalid_value") from exc
-                last = exc
-            self.metrics.upstream_errors.labels(ep, last.cause).inc()
-        raise GatewayError(
-            502, f"no engine could count the prompt's tokens ({last})", type_="server_error",
-            code="upstream_error",
-        )  # fmt: skip
-
     def _output_tokens(self, req: ClientRequest, prompt_tokens: int) -> int:
         """The output tokens to plan (and reserve KV) for: the client's ``max_tokens``, else
         the default, clamped to what the model's context leaves after the prompt, as vLLM
@@ -218,20 +183,13 @@ class Gateway:
     ) -> tuple[int, int, tuple[int, ...], int]:
         """(prompt tokens, output tokens to plan, prefix block chain, block size), the tokens
         charged to the caller's key."""
-        prompt_tokens, ids = await self._count_tokens(req)
+        with tracing.span("tokenize"):
+            prompt_tokens, ids = await self._count_tokens(req)
         output_tokens = self._output_tokens(req, prompt_tokens)
         if charge is not None:
             charge(prompt_tokens + output_tokens)
         prefix, block = self._prefix(req.model, ids)
         return prompt_tokens, output_tokens, prefix, block
-
-    def _local_count(self, req: ClientRequest) -> tuple[int, list[int] | None]:
-        assert self.tokenizers is not None
-        # a completions prompt is encoded once: its ids are its count
-        ids = self.tokenizers.ids(req.model, req.body)
-        if ids is not None:
-            return len(ids), ids
-        return self.tokenizers.count(req.model, req.body), None
 
     async def handle(
         self,
@@ -323,8 +281,9 @@ class Gateway:
             if step is None:
                 continue
             session = plan.session_id if i == 0 and step.mode == TRANSFER else ""
+            rid = plan.request_id if i == 0 else f"{plan.request_id}:{i}"  # the engines' id
             try:
-                await self._step(req, plan, step, session, sink, t0, out)
+                await self._step(req, rid, step, session, sink, t0, out)
                 out.success = True
                 out.mode = step.mode
                 out.error_class = first_cause
@@ -374,7 +333,7 @@ class Gateway:
     async def _step(
         self,
         req: ClientRequest,
-        plan: Plan,
+        rid: str,
         step: Step,
         session: str,
         sink: Sink,
@@ -389,8 +348,9 @@ class Gateway:
                 t_p = self._clock()
                 try:
                     reply = await self.engines.post_json(
-                        step.prefill_endpoint, req.path, prefill_body(req)
-                    )
+                        step.prefill_endpoint, req.path, prefill_body(req),
+                        hop=Hop("prefill", rid, step.prefill_worker),
+                    )  # fmt: skip
                 except UpstreamError as exc:
                     raise _StepFailed("prefill_" + exc.cause, False, exc) from exc
                 out.prefill_ms = (self._clock() - t_p) * 1000
@@ -405,10 +365,13 @@ class Gateway:
                 params, prefilled = kv, True
             body = decode_body(req, params)
             if req.stream:
-                await self._stream(req, step, body, session, plan, sink, (t0, t_step), out)
+                await self._stream(req, step, body, session, rid, sink, (t0, t_step), out)
             else:
                 try:
-                    reply = await self.engines.post_json(step.decode_endpoint, req.path, body)
+                    reply = await self.engines.post_json(
+                        step.decode_endpoint, req.path, body,
+                        hop=Hop("decode", rid, step.decode_worker),
+                    )  # fmt: skip
                 except UpstreamError as exc:
                     raise _StepFailed("decode_" + exc.cause, False, exc) from exc
                 if isinstance(reply, dict):
@@ -435,22 +398,23 @@ class Gateway:
         step: Step,
         body: dict[str, Any],
         session: str,
-        plan: Plan,
+        rid: str,
         sink: Sink,
         times: tuple[float, float],
         out: Outcome,
     ) -> None:
-        """Stream the decode engine's answer; ``times``: when the request and this step
-        began. A step served on one engine reports that engine's time to its first token as
-        its ``prefill_ms`` (what the scheduler's learner fits; the gateway's own time before
-        the step is no engine's)."""
+        """Stream the decode engine's answer (the engine runs it as ``rid``); ``times``: when
+        the request and this step began. A step served on one engine reports that engine's
+        time to its first token as its ``prefill_ms`` (what the scheduler's learner fits; the
+        gateway's own time before the step is no engine's)."""
         t0, t_step = times
         sent = 0
         started = False
         first = last = 0.0
         usage_tokens = 0
         try:
-            async for payload in self.engines.stream(step.decode_endpoint, req.path, body):
+            hop = Hop("decode", rid, step.decode_worker)
+            async for payload in self.engines.stream(step.decode_endpoint, req.path, body, hop):
                 if payload is None:
                     if not started:  # an empty stream is still a stream
                         started = True

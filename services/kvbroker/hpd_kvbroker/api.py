@@ -9,7 +9,7 @@ import grpc
 
 from hetero_pd.v1 import kvbroker_pb2 as k
 from hetero_pd.v1 import kvbroker_pb2_grpc as k_grpc
-from hpd_common import rpc
+from hpd_common import rpc, tracing
 from hpd_common.errors import InvalidArgument
 from hpd_common.kvformat import KvFormat
 from hpd_common.server import ServiceComponent
@@ -66,6 +66,7 @@ class KvBrokerApi(k_grpc.KvBrokerServiceServicer):
             ),
             cv.caller_from_pb(request.caller),
         )
+        tracing.current_span().set_attribute("hpd.session_id", session.session_id)
         resp = k.OpenSessionResponse(created=created)
         cv.session_to_pb(session, resp.session)
         return resp

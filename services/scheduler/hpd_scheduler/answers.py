@@ -16,6 +16,7 @@ from hpd_common.errors import (
     Unavailable,
 )
 from hpd_common.logging import get_logger
+from hpd_common.tracing import current_trace_id
 from hpd_scheduler import metrics
 from hpd_scheduler.policy import (
     Action,
@@ -28,6 +29,7 @@ from hpd_scheduler.policy import (
 )
 from hpd_scheduler.records import head_of, request_digest
 from hpd_scheduler.snapshot import SchedulerState
+from hpd_scheduler.spans import note_decision
 from hpd_scheduler.store import (
     ReserveEntry,
     ReserveStatus,
@@ -106,7 +108,11 @@ class ScheduleAnswers(SchedulerState):
         cannot take it is logged, the refusal stands). Returns the stored answer instead
         when the request id was already decided (a retry)."""
         s = self.settings
-        head = head_of(decision, req, tier, now_ms, self.scheduler_id, caller=caller_name())
+        note_decision(decision)  # the Schedule span's attributes (none while tracing is off)
+        head = head_of(
+            decision, req, tier, now_ms, self.scheduler_id, caller=caller_name(),
+            trace_id=current_trace_id(),
+        )  # fmt: skip
         try:
             res = await self.commits.reserve(ReserveEntry(
                 req.request_id, head, "reject", None, now_ms,

@@ -11,13 +11,21 @@ import structlog
 
 from hetero_pd.v1 import scheduler_pb2 as s
 from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
-from hpd_common import rpc
+from hpd_common import rpc, tracing
 from hpd_common.errors import InvalidArgument
 from hpd_common.server import ServiceComponent
 from hpd_scheduler import convert as cv
 from hpd_scheduler.service import SchedulerService
 
 SERVICE_NAME = s.DESCRIPTOR.services_by_name["SchedulerService"].full_name
+_STREAM_ITEM = f"{SERVICE_NAME}/ScheduleStream"
+"""The span of one request over ScheduleStream (the call itself, which lives as long as
+its connection, has none)."""
+_STREAM_ATTRIBUTES = {
+    "rpc.system": "grpc",
+    "rpc.service": SERVICE_NAME,
+    "rpc.method": "ScheduleStream",
+}
 
 
 class SchedulerApi(s_grpc.SchedulerServiceServicer):
@@ -27,6 +35,7 @@ class SchedulerApi(s_grpc.SchedulerServiceServicer):
     @rpc.unary
     async def Schedule(self, request: s.ScheduleRequest, context: Any) -> s.ScheduleResponse:
         out = await self.svc.schedule(cv.request_from_pb(request))
+        tracing.current_span().set_attribute("hpd.replayed", out.replayed)
         return s.ScheduleResponse(plan=cv.plan_to_pb(out.head), replayed=out.replayed)
 
     @rpc.stream_stream
@@ -69,23 +78,27 @@ class SchedulerApi(s_grpc.SchedulerServiceServicer):
                 task.cancel()
 
     async def _decide(self, request: s.ScheduleRequest) -> s.ScheduleStreamResponse:
-        """One stream item: Schedule's answer, or its status as a ScheduleError."""
+        """One stream item: Schedule's answer, or its status as a ScheduleError; in a span
+        of its own that continues the trace the message brings (``hpd_common.tracing``)."""
         rid = request.request_id
         structlog.contextvars.bind_contextvars(request_id=rid[:128])
-        try:
-            out = await self.svc.schedule(cv.request_from_pb(request))
-        except Exception as exc:  # what Schedule would have returned as a status
-            code, message, trailers = rpc.refusal("ScheduleStream", exc)
-            meta = dict(trailers)
-            return s.ScheduleStreamResponse(
-                request_id=rid,
-                error=s.ScheduleError(
-                    code=code.value[0],
-                    message=message,
-                    retry_after_ms=int(meta.get("retry-after-ms", "0") or 0),
-                    field=meta.get("hpd-field", ""),
-                ),
-            )
+        with tracing.message_span(_STREAM_ITEM, request, _STREAM_ATTRIBUTES) as span:
+            try:
+                out = await self.svc.schedule(cv.request_from_pb(request))
+            except Exception as exc:  # what Schedule would have returned as a status
+                code, message, trailers = rpc.refusal("ScheduleStream", exc)
+                span.set_attribute("rpc.grpc.status_code", code.value[0])
+                meta = dict(trailers)
+                return s.ScheduleStreamResponse(
+                    request_id=rid,
+                    error=s.ScheduleError(
+                        code=code.value[0],
+                        message=message,
+                        retry_after_ms=int(meta.get("retry-after-ms", "0") or 0),
+                        field=meta.get("hpd-field", ""),
+                    ),
+                )
+            span.set_attribute("hpd.replayed", out.replayed)
         return s.ScheduleStreamResponse(
             request_id=rid,
             response=s.ScheduleResponse(plan=cv.plan_to_pb(out.head), replayed=out.replayed),

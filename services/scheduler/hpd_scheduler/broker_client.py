@@ -146,7 +146,9 @@ class GrpcKvBroker:
             caller=kb.SessionCaller(scheduler_token=self._token),
         )
         try:
-            resp = await self._stub.OpenSession(req, timeout=self._timeout_s)
+            resp = await self._stub.OpenSession(  # the request id joins the broker's logs
+                req, timeout=self._timeout_s, metadata=(("x-request-id", request_id),)
+            )
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
             reason = refusal_reason(code)

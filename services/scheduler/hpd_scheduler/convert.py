@@ -229,6 +229,7 @@ def record_to_pb(rec: StoredRecord) -> s.RouteRecord:
         reject_class=str(h.get("reject_class") or ""),
         summary={str(k): str(v) for k, v in (h.get("summary") or {}).items()},
         scheduler_id=str(h.get("scheduler_id", "")),
+        trace_id=str(h.get("trace_id") or ""),
     )
     if h.get("plan"):
         out.plan.CopyFrom(plan_to_pb(h))

@@ -67,6 +67,7 @@ def head_of(
     mode_reason: str = "",
     reservation_expires_at_ms: int = 0,
     caller: str = "",
+    trace_id: str = "",
 ) -> dict[str, Any]:
     """The record head (JSON-ready). ``plan`` / ``fallbacks`` override the decision's
     (after a broker-forced recompute)."""
@@ -131,6 +132,8 @@ def head_of(
         "request_digest": request_digest(request),
         # who asked (auth on): only they, or an operator, may report its outcome
         "caller": caller,
+        # the trace it was planned in (hpd_common.tracing), kept only when there is one
+        **({"trace_id": trace_id} if trace_id else {}),
     }
 
 

@@ -53,6 +53,7 @@ from hpd_common.errors import (
 )
 from hpd_common.logging import get_logger
 from hpd_common.redis_conn import refuse_when_full
+from hpd_common.tracing import current_trace_id
 from hpd_registry.informer import FleetInformer
 from hpd_registry.keys import RegistryKeys
 from hpd_scheduler import metrics
@@ -88,6 +89,7 @@ from hpd_scheduler.record_queries import RouteRecords
 from hpd_scheduler.records import as_recompute, head_of
 from hpd_scheduler.registry_client import DirectiveSender, GrpcDirectiveSender
 from hpd_scheduler.settings import PolicyState, SchedulerSettings, parse_policy, profile_document
+from hpd_scheduler.spans import note_decision
 from hpd_scheduler.store import (
     ReservationAsk,
     ReserveEntry,
@@ -333,6 +335,7 @@ class SchedulerService(PolicyAndDirectives, OutcomeReports, RouteRecords, Schedu
                 now_ms,
                 plan.decode_worker_id,  # the prefill worker's own for a local prefill
             )
+            note_decision(decision, plan, session, mode_reason)  # the span's (none while off)
             return ScheduleResult(head, False)
         return await self._refuse_fully_reserved(decision, req, tier.name, tier.queue_budget_ms)
 
@@ -363,6 +366,7 @@ class SchedulerService(PolicyAndDirectives, OutcomeReports, RouteRecords, Schedu
         head = head_of(
             decision, req, tier_name, now_ms, self.scheduler_id, plan, chain,
             session, mode_reason, now_ms + s.reservation_ttl_ms, caller_name(),
+            current_trace_id(),
         )  # fmt: skip
         # count the reservation in the snapshot while the script runs, so concurrent
         # requests planned meanwhile see it (a burst spreads); undone when the script

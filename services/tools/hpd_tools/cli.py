@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "gateway": ("hpd_gateway.__main__", "the OpenAI-compatible front door over the engines"),
     "gateway-key": ("hpd_gateway.keytool", "make a client's API key for the gateway's keys file"),
     "sim": ("hpd_sim.cli", "simulate a cluster under scheduling policies"),
+    "plan": ("hpd_plan.cli", "the cheapest fleet of GPU kinds and roles for a traffic's SLOs"),
     "workers": ("hpd_tools.tables.registry", "print the workers of a running registry"),
     "pools": ("hpd_tools.tables.registry", "print the pools of a running registry"),
     "watch": (

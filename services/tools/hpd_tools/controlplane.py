@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
-from hpd_common import auth, redis_conn
+from hpd_common import auth, redis_conn, tracing
 from hpd_common.logging import get_logger
 from hpd_common.server import GrpcServer
 from hpd_tools.embedded_redis import free_port
@@ -71,6 +71,9 @@ class ControlPlaneSettings:
     tls_server_key_file: str = ""
     tls_client_cert_file: str = ""
     tls_client_key_file: str = ""
+    # every service's --tracing (hpd_common.tracing; a scheduler process of its own sets
+    # itself up from it, this process is set up by the caller)
+    tracing: bool = False
 
 
 class _TlsSettings(TypedDict, total=False):
@@ -92,6 +95,7 @@ class _ServerCommon(_TlsSettings, total=False):
     auth_tokens_file: str
     auth_open_reads: bool
     insecure: bool
+    tracing: bool
 
 
 class InProcessKvBroker:
@@ -134,9 +138,14 @@ class InProcessKvBroker:
             expected_bytes=max(1, kv_bytes),
         )
         try:
-            with auth.acting_as(_SCHEDULER):
+            with (
+                tracing.span(_OPEN_SPAN, attributes=_OPEN_ATTRIBUTES) as span,
+                auth.acting_as(_SCHEDULER),
+            ):
+                span.set_attribute("hpd.request_id", request_id)
                 async with asyncio.timeout(self._timeout_s):
                     session, _created = await self._svc.open(req, self._caller)
+                span.set_attribute("hpd.session_id", session.session_id)
         except Exception as exc:
             reason = self._refusal_for(exc)
             if reason is None:
@@ -157,6 +166,11 @@ class InProcessKvBroker:
 
 
 _SCHEDULER = auth.Principal("scheduler (in-process)", auth.Role.SCHEDULER)
+_OPEN_SPAN = "hetero_pd.v1.KvBrokerService/OpenSession"
+"""The broker's span of a session opened in process: named as over gRPC (the trace reads
+the same whichever way the scheduler reaches the broker)."""
+_OPEN_ATTRIBUTES = {"rpc.system": "in_process", "rpc.service": "hetero_pd.v1.KvBrokerService",
+                    "rpc.method": "OpenSession"}  # fmt: skip
 
 
 class ControlPlane:
@@ -226,6 +240,7 @@ class ControlPlane:
             auth_tokens_file=s.auth_tokens_file,
             auth_open_reads=s.auth_open_reads,
             insecure=s.insecure,
+            tracing=s.tracing,
             **self._tls(),
         )
 

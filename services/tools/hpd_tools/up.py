@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from hpd_common import auth
+from hpd_common import auth, tracing
 from hpd_common.errors import InvalidArgument
 from hpd_common.exposure import check_exposure
 from hpd_common.logging import configure_logging, get_logger
@@ -93,6 +93,13 @@ def parser() -> argparse.ArgumentParser:
     _security_flags(p)
     p.add_argument("--log-level", default="info")
     p.add_argument("--json-logs", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument(
+        "--tracing",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="OpenTelemetry traces of the services' RPCs, exported over OTLP as the standard "
+        "OTEL_* variables say (docs/tracing.md)",
+    )
     return p
 
 
@@ -263,6 +270,7 @@ async def _serve(args: argparse.Namespace, redis_url: str) -> None:
             auth_open_reads=args.open_reads,
             service_token=service_token,
             insecure=args.insecure,
+            tracing=tracing.enabled(),
             **tls,  # type: ignore[arg-type]
         )
     )
@@ -333,6 +341,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"hpd up: {exc}", file=sys.stderr)
         return 2
     serve_metrics(args.metrics_port, args.host)
+    tracing.configure(bool(args.tracing), "hpd-up")
+    try:
+        return _run(args)
+    finally:
+        tracing.shutdown()
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.redis_url:
         asyncio.run(_serve(args, args.redis_url))
         return 0

@@ -18,7 +18,10 @@ class FakeScheduler:
         self.answers = answers
         self.calls: list[str] = []
 
-    async def ReportOutcome(self, req: Any, timeout: float) -> None:
+    async def ReportOutcome(
+        self, req: Any, timeout: float, metadata: tuple[tuple[str, str], ...] = ()
+    ) -> None:
+        assert ("x-request-id", req.request_id) in metadata  # the scheduler's logs join
         self.calls.append(req.request_id)
         code = self.answers.pop(0) if self.answers else None
         if code is not None:

@@ -74,6 +74,7 @@ EDGE = {
     "agent.py",
     "control_client.py",
     "auth_interceptor.py",  # the servers' token check (an interceptor)
+    "tracing_interceptor.py",  # spans around RPCs, server and client (interceptors)
     "channels.py",  # every client channel, with its identity
 }
 

@@ -11,7 +11,8 @@ Layers, lowest first (a package may import its own layer's package and anything 
 3. the services built on the registry: ``hpd_scheduler`` and ``hpd_kvbroker`` (siblings:
    neither imports the other; they talk over gRPC);
 4. the edges: ``hpd_gateway`` and ``hpd_agent`` (siblings);
-5. the tools, each above the one before: ``hpd_sim`` (the simulator), ``hpd_tools``
+5. the tools, each above the one before: ``hpd_sim`` (the simulator), ``hpd_plan`` (the
+   capacity planner, which verifies its fleets in the simulator), ``hpd_tools``
    (launchers, the ``hpd`` command, operator tables), ``hpd_fleet`` (the emulated fleet and
    the demo, which start the control plane with ``hpd_tools``).
 
@@ -38,6 +39,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"hpd_scheduler", "hpd_kvbroker"}),
     frozenset({"hpd_gateway", "hpd_agent"}),
     frozenset({"hpd_sim"}),
+    frozenset({"hpd_plan"}),
     frozenset({"hpd_tools"}),
     frozenset({"hpd_fleet"}),
 )

@@ -42,7 +42,14 @@ ROUTE_DECISION_REROUTE: RouteDecision
 ROUTE_DECISION_REJECT: RouteDecision
 
 class ScheduleRequest(_message.Message):
-    __slots__ = ("request_id", "model_id", "prompt_tokens", "expected_output_tokens", "tier", "prefix_hints", "model_revision", "preferred_pool", "prefix_block_hashes", "prefix_block_tokens")
+    __slots__ = ("request_id", "model_id", "prompt_tokens", "expected_output_tokens", "tier", "prefix_hints", "model_revision", "preferred_pool", "prefix_block_hashes", "prefix_block_tokens", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +60,7 @@ class ScheduleRequest(_message.Message):
     PREFERRED_POOL_FIELD_NUMBER: _ClassVar[int]
     PREFIX_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_id: str
     prompt_tokens: int
@@ -63,7 +71,8 @@ class ScheduleRequest(_message.Message):
     preferred_pool: str
     prefix_block_hashes: _containers.RepeatedScalarFieldContainer[int]
     prefix_block_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., expected_output_tokens: _Optional[int] = ..., tier: _Optional[str] = ..., prefix_hints: _Optional[_Iterable[str]] = ..., model_revision: _Optional[str] = ..., preferred_pool: _Optional[str] = ..., prefix_block_hashes: _Optional[_Iterable[int]] = ..., prefix_block_tokens: _Optional[int] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., expected_output_tokens: _Optional[int] = ..., tier: _Optional[str] = ..., prefix_hints: _Optional[_Iterable[str]] = ..., model_revision: _Optional[str] = ..., preferred_pool: _Optional[str] = ..., prefix_block_hashes: _Optional[_Iterable[int]] = ..., prefix_block_tokens: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class Estimates(_message.Message):
     __slots__ = ("kv_bytes", "transfer_ms", "recompute_ms", "conversion_ms", "prefill_wait_ms", "prefill_ms", "ttft_ms", "tpot_ms")
@@ -242,7 +251,7 @@ class Outcome(_message.Message):
     def __init__(self, success: bool = ..., error_class: _Optional[str] = ..., ttft_ms: _Optional[float] = ..., tpot_ms: _Optional[float] = ..., mode_used: _Optional[_Union[ExecutionMode, str]] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., output_tokens: _Optional[int] = ..., reported_at_unix_ms: _Optional[int] = ...) -> None: ...
 
 class RouteRecord(_message.Message):
-    __slots__ = ("request_id", "model_id", "tier", "created_at_unix_ms", "decision", "resource_need", "plan", "serving_action", "reject_reasons", "reject_class", "summary", "explanation", "outcome", "scheduler_id")
+    __slots__ = ("request_id", "model_id", "tier", "created_at_unix_ms", "decision", "resource_need", "plan", "serving_action", "reject_reasons", "reject_class", "summary", "explanation", "outcome", "scheduler_id", "trace_id")
     class SummaryEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -264,6 +273,7 @@ class RouteRecord(_message.Message):
     EXPLANATION_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_ID_FIELD_NUMBER: _ClassVar[int]
+    TRACE_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_id: str
     tier: str
@@ -278,7 +288,8 @@ class RouteRecord(_message.Message):
     explanation: _struct_pb2.Struct
     outcome: Outcome
     scheduler_id: str
-    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., tier: _Optional[str] = ..., created_at_unix_ms: _Optional[int] = ..., decision: _Optional[_Union[RouteDecision, str]] = ..., resource_need: _Optional[_Union[ResourceNeed, str]] = ..., plan: _Optional[_Union[RoutePlan, _Mapping]] = ..., serving_action: _Optional[_Union[ServingAction, _Mapping]] = ..., reject_reasons: _Optional[_Iterable[str]] = ..., reject_class: _Optional[str] = ..., summary: _Optional[_Mapping[str, str]] = ..., explanation: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., outcome: _Optional[_Union[Outcome, _Mapping]] = ..., scheduler_id: _Optional[str] = ...) -> None: ...
+    trace_id: str
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., tier: _Optional[str] = ..., created_at_unix_ms: _Optional[int] = ..., decision: _Optional[_Union[RouteDecision, str]] = ..., resource_need: _Optional[_Union[ResourceNeed, str]] = ..., plan: _Optional[_Union[RoutePlan, _Mapping]] = ..., serving_action: _Optional[_Union[ServingAction, _Mapping]] = ..., reject_reasons: _Optional[_Iterable[str]] = ..., reject_class: _Optional[str] = ..., summary: _Optional[_Mapping[str, str]] = ..., explanation: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., outcome: _Optional[_Union[Outcome, _Mapping]] = ..., scheduler_id: _Optional[str] = ..., trace_id: _Optional[str] = ...) -> None: ...
 
 class GetRouteRecordRequest(_message.Message):
     __slots__ = ("request_id",)

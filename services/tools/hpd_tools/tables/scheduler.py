@@ -1,4 +1,7 @@
-"""`hpd routes`: recent route records of a running scheduler, as `kubectl get` prints."""
+"""`hpd routes`: recent route records of a running scheduler, as `kubectl get` prints.
+
+TRACE is the OpenTelemetry trace the request was planned in (its id to look up in the
+tracing backend; '-' when the scheduler or the caller does not trace)."""
 
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from hpd_tools.tables import age, render
 
 HEADERS = [
     "REQUEST", "AGE", "MODEL", "TIER", "DECISION", "MODE", "PREFILL", "DECODE",
-    "EST-TTFT", "ACTION", "OUTCOME",
+    "EST-TTFT", "ACTION", "OUTCOME", "TRACE",
 ]  # fmt: skip
 
 
@@ -44,7 +47,7 @@ def rows(records: Sequence[s.RouteRecord], now_ms: int) -> list[list[str]]:
             _enum(plan.mode, s.ExecutionMode, "EXECUTION_MODE_") if plan else "-",
             plan.prefill_worker_id if plan else "-", plan.decode_worker_id if plan else "-",
             f"{plan.estimates.ttft_ms:.0f}ms" if plan else "-",
-            rec.serving_action.action or "-", outcome,
+            rec.serving_action.action or "-", outcome, rec.trace_id or "-",
         ])  # fmt: skip
     return out
 

@@ -1,0 +1,1 @@
+"""Tests of `hpd plan`, the capacity planner."""
