@@ -37,6 +37,19 @@ async def restart_registry(redis_url: str, prefix: str, port: int) -> GrpcServer
     return server
 
 
+_EQUAL_AT_MS = int(time.time() * 1000)
+
+
+def equal_report() -> c.LoadReport:
+    """One load report for every worker of a burst test, stamped at the same instant: the
+    planner trusts an older report's inter-token latency less (its freshness weighs the
+    correction), so reports stamped on arrival, seconds apart on a loaded machine, made
+    equal workers unequal and the burst favoured the oldest (15 / 8)."""
+    report = load(free=1000, total=1000)
+    report.reported_at_unix_ms = _EQUAL_AT_MS
+    return report
+
+
 async def test_burst_of_identical_requests_lands_on_every_decode_worker(
     redis_server: EmbeddedRedis, registry: RegistryHandle
 ) -> None:
@@ -48,7 +61,7 @@ async def test_burst_of_identical_requests_lands_on_every_decode_worker(
     try:
         ids = [f"{registry.prefix}-d{i}" for i in range(8)]
         for wid in ids:
-            await register(registry, wid, load(free=1000, total=1000), pool_id="equal-decode",
+            await register(registry, wid, equal_report(), pool_id="equal-decode",
                            stages=(c.STAGE_DECODE,))  # fmt: skip
         await h.settle(ids)
         results = await asyncio.gather(
@@ -78,7 +91,7 @@ async def test_a_burst_planned_across_snapshot_rebuilds_still_spreads(
     try:
         ids = [f"{registry.prefix}-r{i}" for i in range(8)]
         for wid in ids:
-            await register(registry, wid, load(free=1000, total=1000), pool_id="equal-rebuilt",
+            await register(registry, wid, equal_report(), pool_id="equal-rebuilt",
                            stages=(c.STAGE_DECODE,))  # fmt: skip
         await h.settle(ids)
         svc = h.service
