@@ -37,16 +37,15 @@ async def restart_registry(redis_url: str, prefix: str, port: int) -> GrpcServer
     return server
 
 
-_EQUAL_AT_MS = int(time.time() * 1000)
-
-
-def equal_report() -> c.LoadReport:
+def equal_report(at_ms: int) -> c.LoadReport:
     """One load report for every worker of a burst test, stamped at the same instant: the
     planner trusts an older report's inter-token latency less (its freshness weighs the
     correction), so reports stamped on arrival, seconds apart on a loaded machine, made
-    equal workers unequal and the burst favoured the oldest (15 / 8)."""
+    equal workers unequal and the burst favoured the oldest (15 / 8). ``at_ms``: taken in
+    the test, just before it registers them (a stamp taken at import was minutes old by
+    then in a full run, past the staleness bound)."""
     report = load(free=1000, total=1000)
-    report.reported_at_unix_ms = _EQUAL_AT_MS
+    report.reported_at_unix_ms = at_ms
     return report
 
 
@@ -60,8 +59,9 @@ async def test_burst_of_identical_requests_lands_on_every_decode_worker(
     h = SchedulerHandle("", channel, s_grpc.SchedulerServiceStub(channel), server, registry)
     try:
         ids = [f"{registry.prefix}-d{i}" for i in range(8)]
+        at_ms = int(time.time() * 1000)
         for wid in ids:
-            await register(registry, wid, equal_report(), pool_id="equal-decode",
+            await register(registry, wid, equal_report(at_ms), pool_id="equal-decode",
                            stages=(c.STAGE_DECODE,))  # fmt: skip
         await h.settle(ids)
         results = await asyncio.gather(
@@ -90,8 +90,9 @@ async def test_a_burst_planned_across_snapshot_rebuilds_still_spreads(
     h = SchedulerHandle("", channel, s_grpc.SchedulerServiceStub(channel), server, registry)
     try:
         ids = [f"{registry.prefix}-r{i}" for i in range(8)]
+        at_ms = int(time.time() * 1000)
         for wid in ids:
-            await register(registry, wid, equal_report(), pool_id="equal-rebuilt",
+            await register(registry, wid, equal_report(at_ms), pool_id="equal-rebuilt",
                            stages=(c.STAGE_DECODE,))  # fmt: skip
         await h.settle(ids)
         svc = h.service
