@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import random
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -98,8 +100,10 @@ class Stack:
 
 
 @contextlib.asynccontextmanager
-async def stack(plane: ControlPlane, *pools: dict[str, Any], scale: float = 1.0
-                ) -> AsyncIterator[Stack]:  # fmt: skip
+async def stack(plane: ControlPlane, *pools: dict[str, Any], scale: float = 1.0,
+                embedded: bool = False) -> AsyncIterator[Stack]:  # fmt: skip
+    """The plane, the emulated fleet over HTTP and a gateway planning at the plane's
+    scheduler service, or (``embedded``) in its own process over the plane's Redis."""
     chans = [grpc.aio.insecure_channel(t) for t in
              (plane.registry_target, plane.kvbroker_target, plane.scheduler_target)]  # fmt: skip
     emu = EmuTime(scale, time.monotonic, asyncio.sleep, start=time.monotonic())
@@ -107,10 +111,17 @@ async def stack(plane: ControlPlane, *pools: dict[str, Any], scale: float = 1.0
     http = FleetHttp(fleet)
     await http.start()
     await fleet.start()
+    config = tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False)  # noqa: SIM115
+    with config:
+        config.write(f"key_prefix: {plane.settings.key_prefix}\n")
+    where: dict[str, Any] = (
+        {"redis_url": plane.settings.redis_url, "scheduler_config": config.name}
+        if embedded
+        else {"scheduler": plane.scheduler_target}
+    )
     gw = GatewayServer(
         GatewaySettings(
-            port=0, scheduler=plane.scheduler_target, broker=plane.kvbroker_target,
-            registry=plane.registry_target,
+            port=0, broker=plane.kvbroker_target, registry=plane.registry_target, **where
         ),
         clock=lambda: emu.now_ms() / 1000.0,
         metrics_registry=CollectorRegistry(),
@@ -123,6 +134,15 @@ async def stack(plane: ControlPlane, *pools: dict[str, Any], scale: float = 1.0
             await asyncio.sleep(0.05)
         # and the scheduler plans on it: every worker in its view with a load report
         await wait_fleet_seen(plane, list(fleet.workers), timeout_s=10)
+        here = gw.control.embedded
+        while here is not None and not all(
+            w in here.service.informer.workers and here.service.informer.workers[w].load
+            for w in fleet.workers
+        ):  # the gateway's own replica too
+            assert time.monotonic() < deadline + 10, "the embedded replica never saw the fleet"
+            await asyncio.sleep(0.05)
+        if here is not None:
+            here.service.rebuild()
         yield Stack(
             plane, fleet, http, gw, url, s_grpc.SchedulerServiceStub(chans[2]),
             kb_grpc.KvBrokerServiceStub(chans[1]),
@@ -133,6 +153,7 @@ async def stack(plane: ControlPlane, *pools: dict[str, Any], scale: float = 1.0
         await http.stop()
         for ch in chans:
             await ch.close()
+        os.unlink(config.name)
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:
@@ -160,8 +181,13 @@ async def stream(url: str, body: dict[str, Any], rid: str) -> tuple[int, list[An
         return resp.status, events
 
 
-async def test_a_transfer_runs_the_nixl_hand_off_on_emulated_engines(plane: ControlPlane) -> None:
-    async with stack(plane, H100_PREFILL, A100_DECODE) as st:
+@pytest.mark.parametrize("embedded", [False, True], ids=["remote", "embedded"])
+async def test_a_transfer_runs_the_nixl_hand_off_on_emulated_engines(
+    plane: ControlPlane, embedded: bool
+) -> None:
+    """In both modes (the gateway planning at the scheduler service, or in its own process):
+    the same hand-off, the same record and outcome at the service, the same KV session."""
+    async with stack(plane, H100_PREFILL, A100_DECODE, embedded=embedded) as st:
         rid = "http-transfer-1"
         status, events = await stream(
             st.url, {"model": MODEL, "prompt": prompt(2000), "max_tokens": 12}, rid
@@ -171,6 +197,8 @@ async def test_a_transfer_runs_the_nixl_hand_off_on_emulated_engines(plane: Cont
                   and e["choices"][0].get("text")]  # fmt: skip
         assert len(tokens) == 12
         rec = await st.record(rid)
+        # planned by the gateway's own replica, or by the service ("demo" in hpd up's wiring)
+        assert (rec.scheduler_id != plane.settings.scheduler_id) is embedded, rec.scheduler_id
         assert rec.plan.mode == s.EXECUTION_MODE_TRANSFER, rec.plan
         assert rec.outcome.success and rec.outcome.mode_used == s.EXECUTION_MODE_TRANSFER
         assert rec.outcome.ttft_ms > 0 and rec.outcome.tpot_ms > 0

@@ -1,8 +1,12 @@
 """`hpd gateway`: the OpenAI-compatible front door of a hetero-pd fleet.
 
 Point OpenAI clients at it; every request is counted, scheduled and run on the engines
-with their own KV hand-off (vLLM's NIXL protocol), with the plan's fallbacks:
+with their own KV hand-off (vLLM's NIXL protocol), with the plan's fallbacks. It plans in
+its own process, as one more scheduler replica over the control plane's Redis (no hop
+per request; ``hpd_gateway/embedded.py``), or at a scheduler service with ``--scheduler``:
 
+    hpd gateway --port 8000 --redis-url redis://127.0.0.1:6379/0 \\
+        --broker 127.0.0.1:50053 --registry 127.0.0.1:50051
     hpd gateway --port 8000 --scheduler 127.0.0.1:50052 --broker 127.0.0.1:50053 \\
         --registry 127.0.0.1:50051
     curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\
@@ -33,9 +37,11 @@ from hpd_common.logging import configure_logging, get_logger
 from hpd_common.metrics import watch_gc
 from hpd_common.server import freeze_startup_heap
 from hpd_common.settings import load_settings, settings_parser, split_csv
+from hpd_scheduler.settings import SchedulerSettings
 
 from .api import build_app, build_metrics_app
 from .control_client import ControlPlane
+from .embedded import replica_settings
 from .engine_client import EngineHttp
 from .keys import ApiKeys, KeyFileError
 from .metrics import GatewayMetrics
@@ -49,7 +55,22 @@ log = get_logger("gateway")
 class GatewaySettings(CallSettings):
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = field(default=8000, metadata={"help": "HTTP port of the OpenAI API"})
-    scheduler: str = field(default="127.0.0.1:50052", metadata={"help": "scheduler host:port"})
+    scheduler: str = field(
+        default="",
+        metadata={"help": "scheduler host:port to plan at (remote mode); empty: plan in this "
+                  "process, a scheduler replica over --redis-url (embedded mode)"},
+    )  # fmt: skip
+    redis_url: str = field(
+        default="",
+        metadata={"help": "the control plane's Redis (embedded mode): reservations, route "
+                  "records and learned figures are shared with every scheduler replica there"},
+    )  # fmt: skip
+    scheduler_config: str = field(
+        default="",
+        metadata={"help": "YAML of `hpd scheduler` settings for the embedded replica (profile, "
+                  "tiers_file, key_prefix, its credentials with auth on, ...); the Redis URL, "
+                  "registry and broker are this gateway's"},
+    )  # fmt: skip
     broker: str = field(default="127.0.0.1:50053", metadata={"help": "KV broker host:port"})
     registry: str = field(default="127.0.0.1:50051", metadata={"help": "registry host:port"})
     gateway_token: str = field(
@@ -148,6 +169,12 @@ def _pairs(text: str, name: str) -> tuple[tuple[str, str], ...]:
 
 def _check(s: GatewaySettings) -> ApiKeys | None:
     """The settings' files and exposure, checked before anything starts; the API keys."""
+    if s.scheduler and (s.redis_url or s.scheduler_config):
+        raise InvalidArgument(
+            "scheduler", "plan at a scheduler (--scheduler) or in this process (--redis-url, "
+            "--scheduler-config), not both",
+        )  # fmt: skip
+    embedded_settings(s)  # a missing Redis URL or a bad replica setting, before anything starts
     if bool(s.tls_cert_file) != bool(s.tls_key_file):
         raise InvalidArgument("tls_key_file", "tls_cert_file and tls_key_file go together")
     keys = ApiKeys.load(s.api_keys) if s.api_keys else None
@@ -203,6 +230,15 @@ async def make_runner(
     return runner
 
 
+def embedded_settings(s: GatewaySettings) -> SchedulerSettings | None:
+    """The embedded scheduler replica's settings (None: remote mode, ``--scheduler``)."""
+    if s.scheduler:
+        return None
+    return replica_settings(
+        s.scheduler_config, s.redis_url, s.registry, s.broker, s.call_identity()
+    )
+
+
 class GatewayServer:
     """``hpd gateway``'s whole assembly (control-plane clients, engine pool, the use case, the
     aiohttp app) started and stopped as one; ``hpd demo`` runs this same server in front of
@@ -217,6 +253,7 @@ class GatewayServer:
         metrics_registry: CollectorRegistry = REGISTRY,
     ) -> None:
         self.settings = s
+        self.keys = _check(s)
         self.control = ControlPlane(
             s.scheduler,
             s.broker,
@@ -226,6 +263,7 @@ class GatewayServer:
             identity=s.call_identity(),
             stream=s.schedule_stream,
             scheduler_channels=s.scheduler_channels,
+            embedded=embedded_settings(s),
         )
         self.engines = EngineHttp(s.connect_timeout_s, s.read_timeout_s)
         extra = {"clock": clock} if clock is not None else {}
@@ -237,7 +275,6 @@ class GatewayServer:
             tokenizers=LocalTokenizers(dict(_pairs(s.tokenizer, "tokenizer"))),
             **extra,
         )
-        self.keys = _check(s)
         self._runner: web.AppRunner | None = None
         self._metrics_runner: web.AppRunner | None = None
         self.url = ""

@@ -21,12 +21,14 @@ from hetero_pd.v1 import kvbroker_pb2 as kb
 from hetero_pd.v1 import kvbroker_pb2_grpc as kb_grpc
 from hetero_pd.v1 import scheduler_pb2 as s
 from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
-from hpd_common import tracing
+from hpd_common import rpc, tracing
 from hpd_common.channels import CallIdentity, aio_channel
 from hpd_common.logging import get_logger
 from hpd_common.worker_model import Stage
 from hpd_registry.informer import CLIENT_OPTIONS, FleetInformer
+from hpd_scheduler.settings import SchedulerSettings
 
+from .embedded import EmbeddedScheduler
 from .plan import RECOMPUTE, SAME_POOL, TRANSFER, Outcome, Plan, Step
 from .protocol import GatewayError
 from .schedule_stream_client import ScheduleStreamClient, StreamBroken
@@ -75,7 +77,9 @@ def plan_of(p: s.RoutePlan) -> Plan:
 
 
 class ControlPlane:
-    """Channels to the scheduler, broker and registry (one each per gateway process)."""
+    """Channels to the scheduler, broker and registry (one each per gateway process); or,
+    with ``embedded`` settings, a scheduler replica in this process (``embedded.py``) in
+    place of the scheduler's channels, sharing this fleet view."""
 
     def __init__(
         self,
@@ -88,17 +92,22 @@ class ControlPlane:
         stream: bool = True,
         scheduler_channels: int = 1,
         report_budget_s: float = 30.0,
+        embedded: SchedulerSettings | None = None,
     ) -> None:
         # several channels, each its own connection (a local subchannel pool), reach every
         # process of a scheduler run with --processes N: the kernel spreads connections
         opts = [*CLIENT_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
-        self._sched_chs = [
-            aio_channel(scheduler, identity, opts) for _ in range(max(1, scheduler_channels))
-        ]
+        remote = embedded is None
+        self._sched_chs = (
+            [aio_channel(scheduler, identity, opts) for _ in range(max(1, scheduler_channels))]
+            if remote
+            else []
+        )
         self._broker_ch = aio_channel(broker, identity, CLIENT_OPTIONS)
         self._stubs = [s_grpc.SchedulerServiceStub(ch) for ch in self._sched_chs]
         self.broker = kb_grpc.KvBrokerServiceStub(self._broker_ch)
         self.fleet = FleetInformer(registry, identity=identity)
+        self.embedded = EmbeddedScheduler(embedded, self.fleet) if embedded is not None else None
         # with auth on, the gateway's bearer identity is what the broker checks; the
         # in-message token only for a broker configured with one (it refuses any other)
         self._caller = kb.SessionCaller(gateway_token=gateway_token)
@@ -116,12 +125,18 @@ class ControlPlane:
         return self.streams[self._turn]
 
     async def start(self) -> None:
-        await self.fleet.start()
+        if self.embedded is not None:
+            await self.embedded.start()  # starts the fleet view it shares
+        else:
+            await self.fleet.start()
 
     async def close(self) -> None:
         for stream in self.streams:
             await stream.close()
-        await self.fleet.stop()
+        if self.embedded is not None:
+            await self.embedded.close()  # stops the fleet view too
+        else:
+            await self.fleet.stop()
         for ch in self._sched_chs:
             await ch.close()
         await self._broker_ch.close()
@@ -182,6 +197,8 @@ class ControlPlane:
                 prefix_block_hashes=list(prefix),
                 prefix_block_tokens=block_tokens if prefix else 0,
             )
+            if self.embedded is not None:
+                return plan_of(await self._schedule_here(req, model))
             tracing.inject_message(req)  # nothing while tracing is off
             stream = self._next_stream()
             if stream is not None:
@@ -211,6 +228,22 @@ class ControlPlane:
                 ) from exc
             return plan_of(resp.plan)
 
+    async def _schedule_here(self, req: s.ScheduleRequest, model: str) -> s.RoutePlan:
+        """The embedded replica's plan, its refusals answered as a remote scheduler's
+        statuses are (``_http_error``), within the same deadline."""
+        assert self.embedded is not None
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                return await self.embedded.schedule(req)
+        except TimeoutError:
+            raise _http_error(grpc.StatusCode.DEADLINE_EXCEEDED, "", 0, model) from None
+        except Exception as exc:  # the policy's errors, as Schedule's status would carry them
+            code, message, trailers = rpc.status_for(exc)
+            if code is grpc.StatusCode.INTERNAL:
+                log.error("schedule_failed", request_id=req.request_id, exc_info=exc)
+            retry = dict(trailers).get("retry-after-ms", "0")
+            raise _http_error(code, message, int(retry) if retry.isdigit() else 0, model) from exc
+
     def _unary(self) -> s_grpc.SchedulerServiceStub:
         self._unary_turn = (self._unary_turn + 1) % len(self._stubs)
         return self._stubs[self._unary_turn]
@@ -232,24 +265,34 @@ class ControlPlane:
             loop = asyncio.get_running_loop()
             deadline = loop.time() + self.report_budget_s
             delay = 0.1
-            metadata = (("x-request-id", request_id),)
             while True:
-                try:
-                    await self._unary().ReportOutcome(
-                        req, timeout=self.timeout_s, metadata=metadata
-                    )
+                # idempotent at the scheduler (an outcome is attached once), so a report the
+                # control plane could not take (Redis failing over, a scheduler restarting)
+                # is sent again: without it the record never says what happened
+                code = await self._report_once(req)
+                if code is None:
                     return
-                except grpc.aio.AioRpcError as exc:
-                    # idempotent at the scheduler (an outcome is attached once), so a report the
-                    # control plane could not take (Redis failing over, a scheduler restarting)
-                    # is sent again: without it the record never says what happened
-                    if exc.code() not in _RETRYABLE or loop.time() + delay > deadline:
-                        log.warning(
-                            "outcome_not_reported", request_id=request_id, code=exc.code().name
-                        )
-                        return
+                if code not in _RETRYABLE or loop.time() + delay > deadline:
+                    log.warning("outcome_not_reported", request_id=request_id, code=code.name)
+                    return
                 await asyncio.sleep(delay * random.uniform(0.5, 1.0))
                 delay = min(2.0, delay * 2)
+
+    async def _report_once(self, req: s.ReportOutcomeRequest) -> grpc.StatusCode | None:
+        """One try at the report: None when it was taken, else the status it failed with."""
+        if self.embedded is not None:
+            try:
+                await self.embedded.report(req)
+            except Exception as exc:  # the policy's errors, as ReportOutcome's status
+                return rpc.status_for(exc)[0]
+            return None
+        try:
+            await self._unary().ReportOutcome(
+                req, timeout=self.timeout_s, metadata=(("x-request-id", req.request_id),)
+            )
+        except grpc.aio.AioRpcError as exc:
+            return exc.code()
+        return None
 
     # -- KV session -------------------------------------------------------------------------
 
