@@ -38,6 +38,7 @@ from hetero_pd.v1 import registry_pb2_grpc as r_grpc
 from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
 from hpd_fleet.real_install import engines_venv, write_tiny_model
 from hpd_fleet.real_processes import AgentProcess, EngineProcess, EngineSpec, pick_port, wait_http
+from hpd_tools.up import embedded_redis_url
 from tests.support.processes import wait_serving
 
 SCRAPE_PERIOD_S = 0.5
@@ -241,9 +242,11 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealFleet]:
     ports = {"registry": pick_port(), "scheduler": pick_port(), "kvbroker": pick_port()}
     hpd = Path(sys.executable).with_name("hpd")
     up_log = (log_dir / "hpd-up.log").open("ab")
+    state_dir, redis_port = tmp_path_factory.mktemp("hpd-up"), pick_port()
+    redis_url = embedded_redis_url(state_dir, redis_port)  # the gateway plans over it
     control_plane = subprocess.Popen(
         [
-            str(hpd), "up", "--state-dir", str(tmp_path_factory.mktemp("hpd-up")),
+            str(hpd), "up", "--state-dir", str(state_dir), "--redis-port", str(redis_port),
             "--registry-port", str(ports["registry"]),
             "--scheduler-port", str(ports["scheduler"]),
             "--kvbroker-port", str(ports["kvbroker"]),
@@ -280,7 +283,7 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealFleet]:
         fleet.gateway = AgentProcess(
             "gw",
             [
-                "--port", str(gw_port), "--scheduler", addr["scheduler"],
+                "--port", str(gw_port), "--redis-url", redis_url,
                 "--broker", addr["kvbroker"], "--registry", addr["registry"],
                 "--tokenizer", f"tiny={model_dir}", "--log-level", "info", "--json-logs",
             ],

@@ -56,6 +56,7 @@ from hpd_fleet.real_processes import (
     pick_port,
     wait_http,
 )
+from hpd_tools.up import embedded_redis_url
 
 __all__ = [
     "Declared",
@@ -260,6 +261,8 @@ class FleetStack:
     gateway_metrics_url: str = ""  # the gateway's /metrics listener (not its public port)
     router_url: str = ""
     addrs: dict[str, str] = field(default_factory=dict)
+    redis_url: str = ""  # the control plane's embedded Redis (the gateway plans over it)
+    gateway_mode: str = "embedded"  # or "remote": the gateway plans at the scheduler service
     venv: Path = Path()
     model_dir: Path = Path()
 
@@ -304,12 +307,14 @@ class FleetStack:
         self._start_gateway()
 
     def _start_control_plane(self) -> None:
-        ports = {k: pick_port() for k in ("registry", "scheduler", "kvbroker")}
+        ports = {k: pick_port() for k in ("registry", "scheduler", "kvbroker", "redis")}
         self.addrs = {k: f"127.0.0.1:{p}" for k, p in ports.items()}
         hpd = str(Path(sys.executable).with_name("hpd"))
+        self.redis_url = embedded_redis_url(self.work_dir / "hpd-up", ports["redis"])
         self.control_plane = subprocess.Popen(
             [
                 hpd, "up", "--state-dir", str(self.work_dir / "hpd-up"),
+                "--redis-port", str(ports["redis"]),
                 "--registry-port", str(ports["registry"]),
                 "--scheduler-port", str(ports["scheduler"]),
                 "--kvbroker-port", str(ports["kvbroker"]), "--metrics-port", "0",
@@ -337,13 +342,19 @@ class FleetStack:
         agent.start()
         self.procs.append(agent)
 
+    def planning_args(self) -> list[str]:
+        """Where ``hpd gateway`` plans: in its own process over the control plane's Redis
+        (the default), or at the scheduler service (``gateway_mode="remote"``)."""
+        if self.gateway_mode == "remote":
+            return ["--scheduler", self.addrs["scheduler"]]
+        return ["--redis-url", self.redis_url]
+
     def _start_gateway(self) -> None:
         port, mport = pick_port(), pick_port()
         gateway = AgentProcess(
             "gateway",
             [
-                "--port", str(port), "--metrics-port", str(mport),
-                "--scheduler", self.addrs["scheduler"],
+                "--port", str(port), "--metrics-port", str(mport), *self.planning_args(),
                 "--broker", self.addrs["kvbroker"], "--registry", self.addrs["registry"],
                 "--tokenizer", f"tiny={self.model_dir}", "--log-level", self.log_level,
             ],

@@ -18,6 +18,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import yaml
 
@@ -161,6 +162,14 @@ def redis_password(state: Path) -> str:
     with os.fdopen(fd, "w") as f:
         f.write(token + "\n")
     return token
+
+
+def embedded_redis_url(state_dir: Path, port: int) -> str:
+    """The URL of the Redis ``hpd up --state-dir STATE_DIR --redis-port PORT`` embeds, for a
+    process that shares it (``hpd gateway --redis-url``, planning in its own process): its
+    password is read from the state folder, where ``hpd up`` made it (or makes it now)."""
+    password = quote(redis_password(Path(state_dir).resolve() / "redis"), safe="")
+    return f"redis://:{password}@127.0.0.1:{port}/0"
 
 
 def _auth(args: argparse.Namespace) -> tuple[str, str]:
