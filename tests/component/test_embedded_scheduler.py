@@ -1,4 +1,4 @@
-"""The scheduler inside the gateway (``hpd_gateway/embedded.py``) is one more replica: two
+"""The scheduler inside the gateway (``hpd_gateway/embedded_client.py``) is one more replica: two
 gateways planning in their own processes' replicas and the scheduler service, all on one
 Redis, never hold more than a decode worker's limit however the requests race; a plan
 either gateway made is the service's to read (``GetRouteRecord``), and an outcome a gateway
@@ -28,7 +28,7 @@ from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
 from hpd_common import redis_conn
 from hpd_common.channels import CallIdentity
 from hpd_gateway.control_client import ControlPlane as GatewayControl
-from hpd_gateway.embedded import replica_settings
+from hpd_gateway.embedded_client import replica_settings
 from hpd_gateway.plan import Outcome, Plan
 from hpd_gateway.protocol import GatewayError
 from hpd_scheduler.keys import SchedulerKeys

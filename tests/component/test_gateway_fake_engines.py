@@ -246,6 +246,8 @@ async def test_every_step_failing_is_502(rig: Rig, streamed: bool) -> None:
     (rid1, first), (rid2, second) = sorted(rig.control.reports, key=lambda r: r[0])
     assert rid2 == rid1 + ":replan"
     assert len(rig.control.scheduled) == 2
+    # the re-plan avoids the workers whose steps failed (the view may still list them)
+    assert rig.control.avoided == [(), ("dead", "d2")]
     for out in (first, second):
         assert (out.success, out.error_class, out.status) == (False, "decode_connect_error", 502)
     assert second.fallbacks == 4  # two steps of each plan

@@ -213,6 +213,7 @@ class FakeControl:
         self.scheduled: list[tuple[str, str, int, int, str]] = []
         self.reports: list[tuple[str, Outcome]] = []
         self.prefixes: list[tuple[tuple[int, ...], int]] = []
+        self.avoided: list[tuple[str, ...]] = []  # each Schedule's avoid_workers
         self.block = 0  # the engines' KV block size the fleet shows (0: none known)
         self.context = 0  # the engines' stated context length (0: none stated)
         self.done: list[str] = []
@@ -236,10 +237,11 @@ class FakeControl:
 
     async def schedule(
         self, request_id: str, model: str, prompt_tokens: int, output_tokens: int, tier: str,
-        prefix: tuple[int, ...] = (), block_tokens: int = 0,
+        prefix: tuple[int, ...] = (), block_tokens: int = 0, avoid: tuple[str, ...] = (),
     ) -> Plan:  # fmt: skip
         self.scheduled.append((request_id, model, prompt_tokens, output_tokens, tier))
         self.prefixes.append((prefix, block_tokens))
+        self.avoided.append(avoid)
         self._recorded.set()
         if self.schedule_error is not None:
             raise self.schedule_error

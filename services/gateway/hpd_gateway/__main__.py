@@ -3,7 +3,7 @@
 Point OpenAI clients at it; every request is counted, scheduled and run on the engines
 with their own KV hand-off (vLLM's NIXL protocol), with the plan's fallbacks. It plans in
 its own process, as one more scheduler replica over the control plane's Redis (no hop
-per request; ``hpd_gateway/embedded.py``), or at a scheduler service with ``--scheduler``:
+per request; ``hpd_gateway/embedded_client.py``), or at a scheduler service with ``--scheduler``:
 
     hpd gateway --port 8000 --redis-url redis://127.0.0.1:6379/0 \\
         --broker 127.0.0.1:50053 --registry 127.0.0.1:50051
@@ -41,7 +41,7 @@ from hpd_scheduler.settings import SchedulerSettings
 
 from .api import build_app, build_metrics_app
 from .control_client import ControlPlane
-from .embedded import replica_settings
+from .embedded_client import replica_settings
 from .engine_client import EngineHttp
 from .keys import ApiKeys, KeyFileError
 from .metrics import GatewayMetrics

@@ -28,7 +28,7 @@ from hpd_common.worker_model import Stage
 from hpd_registry.informer import CLIENT_OPTIONS, FleetInformer
 from hpd_scheduler.settings import SchedulerSettings
 
-from .embedded import EmbeddedScheduler
+from .embedded_client import EmbeddedScheduler
 from .plan import RECOMPUTE, SAME_POOL, TRANSFER, Outcome, Plan, Step
 from .protocol import GatewayError
 from .schedule_stream_client import ScheduleStreamClient, StreamBroken
@@ -78,7 +78,7 @@ def plan_of(p: s.RoutePlan) -> Plan:
 
 class ControlPlane:
     """Channels to the scheduler, broker and registry (one each per gateway process); or,
-    with ``embedded`` settings, a scheduler replica in this process (``embedded.py``) in
+    with ``embedded`` settings, a scheduler replica in this process (``embedded_client.py``) in
     place of the scheduler's channels, sharing this fleet view."""
 
     def __init__(
@@ -182,7 +182,7 @@ class ControlPlane:
 
     async def schedule(
         self, request_id: str, model: str, prompt_tokens: int, output_tokens: int, tier: str,
-        prefix: tuple[int, ...] = (), block_tokens: int = 0,
+        prefix: tuple[int, ...] = (), block_tokens: int = 0, avoid: tuple[str, ...] = (),
     ) -> Plan:  # fmt: skip
         """The scheduler's plan for the request (module docstring), in a ``schedule`` span
         whose context the scheduler continues (in the message over the stream, in the
@@ -196,6 +196,7 @@ class ControlPlane:
                 tier=tier,
                 prefix_block_hashes=list(prefix),
                 prefix_block_tokens=block_tokens if prefix else 0,
+                avoid_workers=avoid,
             )
             if self.embedded is not None:
                 return plan_of(await self._schedule_here(req, model))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["Outcome", "Plan", "Step"]
 
@@ -51,3 +51,4 @@ class Outcome:
     output_tokens: int = 0
     fallbacks: int = 0
     status: int = 200
+    failed_workers: list[str] = field(default_factory=list)  # whose steps failed, in order

@@ -50,6 +50,7 @@ from typing import Any, Protocol
 from hpd_common import tracing
 from hpd_common.kvchain import chain_hashes
 from hpd_common.logging import get_logger
+from hpd_scheduler.policy.domain import MAX_AVOID_WORKERS as MAX_AVOID
 
 from .control_client import ControlPlane
 from .counting import PromptCounting
@@ -105,6 +106,14 @@ MAX_PREFIX_BLOCKS = 8192  # what Schedule accepts
 
 class _Exhausted(GatewayError):
     """Every step of a plan failed before anything reached the client."""
+
+
+def _failed_worker(step: Step, cause: str) -> str:
+    """The worker whose phase failed (its cause's prefix says which; '' when neither, as a
+    KV hand-off between the two)."""
+    if cause.startswith("prefill_"):
+        return step.prefill_worker or step.decode_worker  # a local prefill is decode's
+    return step.decode_worker if cause.startswith("decode_") else ""
 
 
 class _StepFailed(Exception):
@@ -222,20 +231,10 @@ class Gateway(PromptCounting):
             self.metrics.schedule_seconds.observe(out.schedule_ms / 1000)
             try:
                 await self._run(req, plan, sink, t0, out)
-            except _Exhausted:
-                # Every step failed before a token was sent: the plan was made from a view
-                # that did not yet know what just failed (a worker dies between two feed
-                # events). Report this plan failed (its reservations go back) and ask once
-                # more, under a request id of its own; the scheduler's view has moved on.
-                first = Outcome(error_class=out.error_class, fallbacks=out.fallbacks, status=502)
-                self._background(self.control.report(request_id, first))
-                request_id = f"{request_id}{REPLAN_SUFFIX}"
-                t_s = self._clock()
-                plan = await self.control.schedule(
-                    request_id, req.model, prompt_tokens, output_tokens, tier, prefix, block
-                )
-                out.schedule_ms += (self._clock() - t_s) * 1000
-                sink.server_timing["schedule"] = out.schedule_ms
+            except _Exhausted:  # once more, from a view that knows what failed (_replan)
+                request_id = self._give_up(request_id, out)
+                ask = (prompt_tokens, output_tokens, tier, prefix, block)
+                plan = await self._replan(req, sink, out, request_id, ask)
                 cause, out.error_class = out.error_class, ""
                 await self._run(req, plan, sink, t0, out)
                 out.error_class = out.error_class or cause
@@ -271,6 +270,31 @@ class Gateway(PromptCounting):
                 error_class=out.error_class,
             )
         return out
+
+    def _give_up(self, request_id: str, out: Outcome) -> str:
+        """Every step of the plan failed before a token was sent: report it failed (its
+        reservations go back); the request id the re-plan goes under."""
+        first = Outcome(error_class=out.error_class, fallbacks=out.fallbacks, status=502)
+        self._background(self.control.report(request_id, first))
+        return f"{request_id}{REPLAN_SUFFIX}"
+
+    async def _replan(
+        self, req: ClientRequest, sink: Sink, out: Outcome, request_id: str,
+        ask: tuple[int, int, str, tuple[int, ...], int],
+    ) -> Plan:  # fmt: skip
+        """The failed plan was made from a view that did not yet know what just failed (a
+        worker dies between two feed events): a new plan, under a request id of its own,
+        avoiding the workers whose steps failed (the view may list them until their leases
+        lapse)."""
+        prompt_tokens, output_tokens, tier, prefix, block = ask
+        t_s = self._clock()
+        plan = await self.control.schedule(
+            request_id, req.model, prompt_tokens, output_tokens, tier, prefix, block,
+            avoid=tuple(out.failed_workers[:MAX_AVOID]),
+        )  # fmt: skip
+        out.schedule_ms += (self._clock() - t_s) * 1000
+        sink.server_timing["schedule"] = out.schedule_ms
+        return plan
 
     async def _run(
         self, req: ClientRequest, plan: Plan, sink: Sink, t0: float, out: Outcome
@@ -312,6 +336,9 @@ class Gateway(PromptCounting):
                     raise GatewayError(up.status or 400, up.detail, code="invalid_value") from up
                 out.fallbacks += 1
                 self.metrics.fallbacks.labels(exc.cause).inc()
+                failed = _failed_worker(step, exc.cause)  # a re-plan avoids it (``handle``)
+                if failed and failed not in out.failed_workers:
+                    out.failed_workers.append(failed)
         out.error_class = first_cause or "no_step_left"
         raise _Exhausted(
             502, f"every step of the plan failed (first: {out.error_class})",

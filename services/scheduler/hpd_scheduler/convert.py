@@ -17,7 +17,11 @@ from hetero_pd.v1 import scheduler_pb2 as s
 from hpd_common.errors import InvalidArgument
 from hpd_scheduler.directives import Recommendations
 from hpd_scheduler.policy import Request
-from hpd_scheduler.policy.domain import MAX_PREFIX_BLOCK_TOKENS, MAX_PREFIX_BLOCKS
+from hpd_scheduler.policy.domain import (
+    MAX_AVOID_WORKERS,
+    MAX_PREFIX_BLOCK_TOKENS,
+    MAX_PREFIX_BLOCKS,
+)
 from hpd_scheduler.record_queries import RecordQuery
 from hpd_scheduler.settings import PolicyState
 from hpd_scheduler.store import UNREADABLE_EXPLANATION, StoredRecord
@@ -79,6 +83,10 @@ def request_from_pb(m: s.ScheduleRequest) -> Request:
         raise InvalidArgument("prefix_hints", f"at most {MAX_HINTS} entries")
     for i, hint in enumerate(m.prefix_hints):
         _text(f"prefix_hints[{i}]", hint, 128, required=True)
+    if len(m.avoid_workers) > MAX_AVOID_WORKERS:
+        raise InvalidArgument("avoid_workers", f"at most {MAX_AVOID_WORKERS} entries")
+    for i, wid in enumerate(m.avoid_workers):
+        _text(f"avoid_workers[{i}]", wid, 128, required=True)
     _text("model_revision", m.model_revision, 128)
     _text("preferred_pool", m.preferred_pool, 128)
     blocks = tuple(m.prefix_block_hashes)
@@ -99,6 +107,7 @@ def request_from_pb(m: s.ScheduleRequest) -> Request:
         preferred_pool=m.preferred_pool,
         prefix_blocks=blocks,
         prefix_block_tokens=int(m.prefix_block_tokens) if blocks else 0,
+        avoid_workers=tuple(m.avoid_workers),
     )
 
 

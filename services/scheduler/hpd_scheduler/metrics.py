@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from .policy.domain import SCHEDULABLE_HEALTH, WorkerView
 
@@ -84,57 +86,99 @@ LEARNED_DECODE_SEQ_MS = Gauge(
 )
 
 
-# Per pool, from each fleet snapshot (labels: model, pool): what an operator alerts on
-# (a pool with no worker to take work, decode KV nearly full, a prefill queue growing).
-POOL_WORKERS = Gauge(
-    "hpd_scheduler_pool_workers",
-    "Workers of a pool in the scheduler's snapshot, by health (healthy, suspect, unhealthy, "
-    "draining, cordoned, expired).",
-    ["model", "pool", "health"],
-)
-POOL_SCHEDULABLE = Gauge(
-    "hpd_scheduler_pool_schedulable_workers",
-    "Workers of a pool that take new work (healthy or suspect).",
-    ["model", "pool"],
-)
-POOL_KV_USED_RATIO = Gauge(
-    "hpd_scheduler_pool_kv_used_ratio",
-    "KV memory of a pool's schedulable workers in use or reserved, over their total (0..1).",
-    ["model", "pool"],
-)
-POOL_QUEUE_DEPTH = Gauge(
-    "hpd_scheduler_pool_queue_depth",
-    "Requests queued on a pool's workers, as their last load reports say.",
-    ["model", "pool"],
-)
+class PoolGauges(Collector):
+    """The per-pool gauges (labels: model, pool), what an operator alerts on (a pool with
+    no worker to take work, decode KV nearly full, a prefill queue growing), figured at
+    scrape time from the worker views of the latest snapshot (:meth:`export`).
+
+    A snapshot is rebuilt up to every 20 ms and scraped every few seconds: a rebuild only
+    hands its views over (no label lookups, no clearing, no sums), and a scrape reports
+    the pools and healths of that snapshot alone, so a pool that left (or a health no
+    worker has any more) has no series and a dashboard shows no ghosts. A scrape (the
+    metrics server's thread) reads the views once, as one tuple of frozen values."""
+
+    def __init__(self) -> None:
+        self._views: tuple[WorkerView, ...] = ()
+
+    def export(self, views: Iterable[WorkerView]) -> None:
+        self._views = tuple(views)
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(_pool_families())
+
+    def collect(self) -> Iterator[Metric]:
+        families = _pool_families()
+        workers, schedulable, kv_used, queue = families
+        counts, pools = pool_figures(self._views)
+        for (model, pool, health), n in counts.items():
+            workers.add_metric([model, pool, health], n)
+        for (model, pool), (sched, free, total, depth) in pools.items():
+            schedulable.add_metric([model, pool], sched)
+            used = 1.0 - free / total if total > 0 else 0.0
+            kv_used.add_metric([model, pool], min(1.0, max(0.0, used)))
+            queue.add_metric([model, pool], depth)
+        return iter(families)
 
 
-def export_pools(views: Iterable[WorkerView]) -> None:
-    """The per-pool gauges from one snapshot's worker views: every series of a pool that
-    left (or a health no worker has any more) is dropped, so a dashboard shows no ghosts.
-    ``kv_used_ratio``: ``1 - sum(available - reserved) / sum(total)`` over the schedulable
-    workers (0 when they declare no KV)."""
+def _pool_families() -> tuple[
+    GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily
+]:
+    return (
+        GaugeMetricFamily(
+            "hpd_scheduler_pool_workers",
+            "Workers of a pool in the scheduler's snapshot, by health (healthy, suspect, "
+            "unhealthy, draining, cordoned, expired).",
+            labels=["model", "pool", "health"],
+        ),
+        GaugeMetricFamily(
+            "hpd_scheduler_pool_schedulable_workers",
+            "Workers of a pool that take new work (healthy or suspect).",
+            labels=["model", "pool"],
+        ),
+        GaugeMetricFamily(
+            "hpd_scheduler_pool_kv_used_ratio",
+            "KV memory of a pool's schedulable workers in use or reserved, over their total "
+            "(0..1).",
+            labels=["model", "pool"],
+        ),
+        GaugeMetricFamily(
+            "hpd_scheduler_pool_queue_depth",
+            "Requests queued on a pool's workers, as their last load reports say.",
+            labels=["model", "pool"],
+        ),
+    )
+
+
+def pool_figures(
+    views: Iterable[WorkerView],
+) -> tuple[dict[tuple[str, str, str], int], dict[tuple[str, str], tuple[int, int, int, int]]]:
+    """Per (model, pool, health) the workers; per (model, pool) the schedulable workers,
+    their free and total KV bytes (``free = max(0, available - reserved)``; the gauge's
+    ``kv_used_ratio = 1 - sum(free) / sum(total)``, 0 when they declare no KV) and the
+    queue depth of all its workers' last reports."""
     counts: dict[tuple[str, str, str], int] = {}
-    pools: dict[tuple[str, str], list[float]] = {}
+    pools: dict[tuple[str, str], list[int]] = {}
     for v in views:
         key = (v.model_id, v.pool_id)
         health = str(v.health.value).lower()
         counts[(*key, health)] = counts.get((*key, health), 0) + 1
-        agg = pools.setdefault(key, [0.0, 0.0, 0.0, 0.0])  # schedulable, free, total, queue
+        agg = pools.setdefault(key, [0, 0, 0, 0])  # schedulable, free, total, queue
         if v.health in SCHEDULABLE_HEALTH:
             agg[0] += 1
             agg[1] += max(0, v.kv_available_bytes - v.pending_kv_bytes)
             agg[2] += v.kv_memory_total_bytes
         agg[3] += v.load.queue_depth if v.load is not None else 0
-    for gauge in (POOL_WORKERS, POOL_SCHEDULABLE, POOL_KV_USED_RATIO, POOL_QUEUE_DEPTH):
-        gauge.clear()
-    for (model, pool, health), n in counts.items():
-        POOL_WORKERS.labels(model=model, pool=pool, health=health).set(n)
-    for (model, pool), (sched, free, total, queue) in pools.items():
-        POOL_SCHEDULABLE.labels(model=model, pool=pool).set(sched)
-        used = 1.0 - free / total if total > 0 else 0.0
-        POOL_KV_USED_RATIO.labels(model=model, pool=pool).set(min(1.0, max(0.0, used)))
-        POOL_QUEUE_DEPTH.labels(model=model, pool=pool).set(queue)
+    return counts, {key: (agg[0], agg[1], agg[2], agg[3]) for key, agg in pools.items()}
+
+
+POOL_GAUGES = PoolGauges()
+REGISTRY.register(POOL_GAUGES)
+
+
+def export_pools(views: Iterable[WorkerView]) -> None:
+    """The per-pool gauges follow this snapshot's views from the next scrape on
+    (:class:`PoolGauges`)."""
+    POOL_GAUGES.export(views)
 
 
 def export_learned(fits: Mapping[str, Any]) -> None:

@@ -13,15 +13,17 @@ import grpc
 from hpd_common.channels import CallIdentity, aio_channel
 
 
-def role_identity(pki: Path, role: str) -> CallIdentity:
-    """The identity of ``role``'s client certificate in the folder `hpd certs` wrote;
-    ValueError naming what is missing."""
-    names = ("ca.pem", f"role-{role}.pem", f"role-{role}.key")
-    missing = [n for n in names if not (pki / n).is_file()]
+def role_identity(folder: Path, role: str) -> CallIdentity:
+    """The identity of ``role``'s client certificate in the folder `hpd certs` wrote (its
+    files as ``hpd_tools.tlsgen.Pki`` names them); ValueError naming what is missing."""
+    from hpd_tools.tlsgen import Pki
+
+    pki = Pki.in_folder(folder)
+    cert, key = pki.role_cert(role)
+    missing = [path.name for path in (pki.ca, cert, key) if not path.is_file()]
     if missing:
-        raise ValueError(f"--tls-dir {pki}: no {', '.join(missing)} there (see `hpd certs`)")
-    ca, cert, key = (str(pki / n) for n in names)
-    return CallIdentity(ca_file=ca, cert_file=cert, key_file=key)
+        raise ValueError(f"--tls-dir {folder}: no {', '.join(missing)} there (see `hpd certs`)")
+    return CallIdentity(ca_file=str(pki.ca), cert_file=str(cert), key_file=str(key))
 
 
 def plane_channels(targets: Sequence[str], tls_dir: Path | None) -> list[grpc.aio.Channel]:

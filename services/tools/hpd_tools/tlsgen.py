@@ -40,10 +40,26 @@ class Pki:
     client_cert: Path
     client_key: Path
 
+    @classmethod
+    def in_folder(cls, folder: Path) -> Pki:
+        """The files' paths in ``folder`` (the one place they are named), made or not."""
+        return cls(
+            folder / "ca.pem",
+            folder / "server.pem",
+            folder / "server.key",
+            folder / "client.pem",
+            folder / "client.key",
+        )
+
     def role_cert(self, role: str) -> tuple[Path, Path]:
         """(certificate, key) of the client certificate named ``hpd-<role>``."""
         folder = self.ca.parent
         return folder / f"role-{role}.pem", folder / f"role-{role}.key"
+
+    def files(self) -> list[Path]:
+        """Every file of the folder: the CA, the server and client pairs, each role's pair."""
+        fixed = [self.ca, self.server_cert, self.server_key, self.client_cert, self.client_key]
+        return fixed + [path for role in ROLES for path in self.role_cert(role)]
 
 
 ROLES = tuple(role.value for role in Role)
@@ -86,13 +102,11 @@ def _name(cn: str) -> x509.Name:
     )
 
 
-def _still_good(folder: Path, hosts: Sequence[str]) -> bool:
-    roles = [f"role-{r}.{ext}" for r in ROLES for ext in ("pem", "key")]
-    names = ["ca.pem", "server.pem", "server.key", "client.pem", "client.key", *roles]
-    if not all((folder / n).exists() for n in names):
+def _still_good(pki: Pki, hosts: Sequence[str]) -> bool:
+    if not all(path.exists() for path in pki.files()):
         return False
     try:
-        cert = x509.load_pem_x509_certificate((folder / "server.pem").read_bytes())
+        cert = x509.load_pem_x509_certificate(pki.server_cert.read_bytes())
         sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     except (ValueError, x509.ExtensionNotFound):
         return False
@@ -182,14 +196,8 @@ def ensure_pki(folder: Path, hosts: Sequence[str] = ()) -> Pki:
     """The CA and certificates in ``folder``, made now unless usable ones are there."""
     folder = folder.absolute()
     folder.mkdir(parents=True, exist_ok=True)
-    pki = Pki(
-        folder / "ca.pem",
-        folder / "server.pem",
-        folder / "server.key",
-        folder / "client.pem",
-        folder / "client.key",
-    )
-    if _still_good(folder, hosts):
+    pki = Pki.in_folder(folder)
+    if _still_good(pki, hosts):
         return pki
     now = dt.datetime.now(dt.UTC) - dt.timedelta(minutes=5)
     until = now + dt.timedelta(days=VALID_DAYS)

@@ -2,11 +2,12 @@
 label names a PromQL expression uses.
 
 The services' metrics are read from their sources (``Counter(``, ``Gauge(``,
-``Histogram(``, ``Summary(`` calls whose name starts ``hpd_``), with what prometheus_client
-adds to each name on ``/metrics``: ``_total`` and ``_created`` for a counter, ``_bucket``,
-``_sum``, ``_count`` and ``_created`` for a histogram, ``_sum``, ``_count`` and
-``_created`` for a summary. The emulated fleet and the simulator (``services/tools``) are
-not scraped in a deployment and are left out.
+``Histogram(``, ``Summary(`` calls whose name starts ``hpd_``, and the ``GaugeMetricFamily(``
+and like calls of a collector that figures its series at scrape time, labels given as
+``labels=``), with what prometheus_client adds to each name on ``/metrics``: ``_total``
+and ``_created`` for a counter, ``_bucket``, ``_sum``, ``_count`` and ``_created`` for a
+histogram, ``_sum``, ``_count`` and ``_created`` for a summary. The emulated fleet and the
+simulator (``services/tools``) are not scraped in a deployment and are left out.
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ def _strings(node: ast.expr | None) -> list[str]:
 
 
 def _family(call: ast.Call) -> Family | None:
-    kind = _callee(call.func)
+    callee = _callee(call.func)
+    kind = callee.removesuffix("MetricFamily")
     if kind not in _SUFFIXES or not call.args:
         return None
     first = call.args[0]
@@ -75,9 +77,10 @@ def _family(call: ast.Call) -> Family | None:
     name = first.value
     if not name.startswith("hpd_"):
         return None
-    given = call.args[2] if len(call.args) > 2 else None
+    collected = callee != kind  # a family a collector yields: ``labels=`` only
+    given = call.args[2] if len(call.args) > 2 and not collected else None
     for kw in call.keywords:
-        if kw.arg == "labelnames":
+        if kw.arg == ("labels" if collected else "labelnames"):
             given = kw.value
     labels = set(_strings(given))
     if kind == "Counter":

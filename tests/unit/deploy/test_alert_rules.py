@@ -145,6 +145,9 @@ def test_the_name_reader_knows_the_services_metrics() -> None:
     assert "hpd_gateway_ttft_seconds" not in families  # a histogram has no bare series
     assert "hpd_scheduler_rejections" not in families
     assert families["hpd_kv_sessions_total"].labels == {"state"}
+    # a collector's family, figured at scrape time (hpd_scheduler.metrics.PoolGauges)
+    assert families["hpd_scheduler_pool_workers"].labels == {"model", "pool", "health"}
+    assert families["hpd_scheduler_pool_queue_depth"].kind == "Gauge"
     assert metrics_in('sum(rate(hpd_x_total{a="hpd_y"}[5m])) / hpd:z:ratio') == {"hpd_x_total"}
     assert label_problems('sum by (rack) (hpd_agent_engine_up{rack="a"})', families) == [
         "hpd_agent_engine_up{rack}",

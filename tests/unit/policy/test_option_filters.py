@@ -25,14 +25,16 @@ from hpd_scheduler.policy import (
     parse_profile,
 )
 from hpd_scheduler.policy.admission import (
+    AdmissionLimitFilter,
     HardTtftFilter,
+    LimitParams,
     TpotAdmissionFilter,
     TtftAdmissionFilter,
     default_option_filters,
 )
 from hpd_scheduler.policy.framework import Option, OptionFilter, PluginRegistry, RequestContext
 
-from .builders import NOW, request, worker
+from .builders import NOW, ctx_for, request, worker
 
 DEFAULT = builtin_profile("default")
 ROOT = Path(__file__).resolve().parents[3]
@@ -133,6 +135,27 @@ def test_a_bad_option_filter_list_names_the_key(value: Any, message: str) -> Non
     with pytest.raises(ConfigError) as info:
         parse_profile(doc)
     assert "option_filters" in str(info.value) and message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("cls", "factor", "tier", "limit"),
+    [
+        (TtftAdmissionFilter, 1.0, "interactive", "ttft_ms"),
+        (TtftAdmissionFilter, 2.5, "batch", "ttft_ms"),
+        (TtftAdmissionFilter, 0.0, "standard", None),
+        (TpotAdmissionFilter, 1.0, "interactive", "tpot_ms"),
+        (TpotAdmissionFilter, 0.5, "standard", "tpot_ms"),
+        (TpotAdmissionFilter, 0.0, "batch", None),
+    ],
+    ids=["ttft-1", "ttft-2.5", "ttft-off", "tpot-1", "tpot-0.5", "tpot-off"],
+)
+def test_an_admission_limit_is_factor_times_the_tiers_target(
+    cls: type[AdmissionLimitFilter], factor: float, tier: str, limit: str | None
+) -> None:
+    """``L = factor x`` the tier's TTFT or TPOT target; factor 0: the filter is off (None)."""
+    ctx = ctx_for(Fleet.build([worker("d")], NOW), tier=tier)
+    expected = None if limit is None else getattr(DEFAULT.tier(tier), limit) * factor
+    assert cls("f", LimitParams(factor)).bound(ctx) == expected
 
 
 @pytest.mark.parametrize("factor", [-0.5, 4.5])

@@ -15,6 +15,7 @@ from hpd_scheduler.policy import (
     DecisionKind,
     Fleet,
     Health,
+    InvalidInputError,
     Mode,
     Protects,
     RejectClass,
@@ -400,3 +401,29 @@ def test_a_model_outside_the_table_is_priced_by_the_size_its_agent_read() -> Non
     fast, slow = fleet.worker("t"), fleet.worker("u")
     assert fast is not None and slow is not None
     assert slow.prefill_ms(512) > 1000 * fast.prefill_ms(512)
+
+
+def test_workers_the_caller_saw_fail_are_in_no_step_of_the_plan() -> None:
+    """A re-plan names the workers its failed chain ran on: no step, primary or fallback,
+    runs on them while the view still lists them, and the record says why."""
+    views = [worker("p1", Stage.PREFILL), worker("p2", Stage.PREFILL)]
+    views += [worker(f"d{i}") for i in range(4)]
+    first, _ = plan(views)
+    assert first.plan is not None
+    used = {first.plan.decode_worker_id, first.plan.prefill_worker_id}
+    again, _ = plan(views, request(avoid_workers=tuple(sorted(used))))
+    assert again.plan is not None
+    steps = [(again.plan.decode_worker_id, again.plan.prefill_worker_id)]
+    steps += [(f.decode_worker_id, f.prefill_worker_id) for f in again.fallbacks]
+    assert not used & {w for pair in steps for w in pair}, (used, steps)
+    dropped = {w for w, _, r in again.record.rejected_workers if r == "failed_for_this_request"}
+    assert used == dropped
+    # every worker avoided: refused, never planned on a worker that just failed
+    everyone = tuple(v.worker_id for v in views)
+    refused, _ = plan(views, request(avoid_workers=everyone))
+    assert refused.plan is None
+
+
+def test_too_many_avoided_workers_are_refused_by_name() -> None:
+    with pytest.raises(InvalidInputError, match="avoid_workers"):
+        request(avoid_workers=tuple(f"w{i}" for i in range(17))).validate()

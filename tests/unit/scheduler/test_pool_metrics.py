@@ -1,8 +1,12 @@
-"""The scheduler's per-pool gauges (what the alert rules watch), from a snapshot's views."""
+"""The scheduler's per-pool gauges (what the alert rules watch), from a snapshot's views:
+figured at scrape time, so a rebuild (up to every 20 ms) only hands its views over."""
 
 from __future__ import annotations
 
-from prometheus_client import REGISTRY
+from typing import Any
+
+import pytest
+from prometheus_client import REGISTRY, Gauge, generate_latest
 
 from hpd_scheduler import metrics
 from hpd_scheduler.policy.domain import Health
@@ -44,3 +48,46 @@ def test_a_pool_that_left_leaves_no_series() -> None:
     assert value("hpd_scheduler_pool_workers", **stays, health="healthy") is None
     assert value("hpd_scheduler_pool_workers", **stays, health="cordoned") == 1
     assert value("hpd_scheduler_pool_schedulable_workers", **stays) == 0
+
+
+def test_a_pool_that_left_is_not_in_the_scrape() -> None:
+    metrics.export_pools([worker("g0", pool="gone"), worker("s0", pool="stays")])
+    before = generate_latest().decode()
+    metrics.export_pools([worker("s0", pool="stays")])
+    after = generate_latest().decode()
+    assert 'pool="gone"' in before and 'pool="stays"' in before
+    assert 'pool="gone"' not in after
+    stays = f'hpd_scheduler_pool_workers{{health="healthy",model="{MODEL}",pool="stays"}} 1.0'
+    assert stays in after
+
+
+def _counted(calls: dict[str, int], name: str, real: Any) -> Any:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        calls[name] = calls.get(name, 0) + 1
+        return real(*args, **kwargs)
+
+    return call
+
+
+def test_an_unchanged_rebuild_neither_clears_nor_relabels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fifty rebuilds of one snapshot: no gauge cleared, relabelled or removed (a scrape
+    between a clear and the relabelling found the pools gone, too)."""
+    calls: dict[str, int] = {}
+    for name in ("clear", "labels", "remove"):
+        monkeypatch.setattr(Gauge, name, _counted(calls, name, getattr(Gauge, name)))
+    views = [worker("u0", pool="same", queue=2), worker("u1", pool="same", queue=1)]
+    for _ in range(50):
+        metrics.export_pools(views)
+    assert calls == {}
+    assert value("hpd_scheduler_pool_queue_depth", model=MODEL, pool="same") == 3
+
+
+def test_the_pools_are_summed_at_scrape_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rebuild only hands its views over; a scrape sums once, from the last ones."""
+    calls: dict[str, int] = {}
+    monkeypatch.setattr(metrics, "pool_figures", _counted(calls, "sum", metrics.pool_figures))
+    for queue in range(50):
+        metrics.export_pools([worker("v0", pool="last", queue=queue)])
+    assert calls == {}
+    assert value("hpd_scheduler_pool_queue_depth", model=MODEL, pool="last") == 49
+    assert calls == {"sum": 1}

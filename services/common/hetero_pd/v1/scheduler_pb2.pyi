@@ -42,7 +42,7 @@ ROUTE_DECISION_REROUTE: RouteDecision
 ROUTE_DECISION_REJECT: RouteDecision
 
 class ScheduleRequest(_message.Message):
-    __slots__ = ("request_id", "model_id", "prompt_tokens", "expected_output_tokens", "tier", "prefix_hints", "model_revision", "preferred_pool", "prefix_block_hashes", "prefix_block_tokens", "trace_context")
+    __slots__ = ("request_id", "model_id", "prompt_tokens", "expected_output_tokens", "tier", "prefix_hints", "model_revision", "preferred_pool", "prefix_block_hashes", "prefix_block_tokens", "trace_context", "avoid_workers")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +61,7 @@ class ScheduleRequest(_message.Message):
     PREFIX_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    AVOID_WORKERS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_id: str
     prompt_tokens: int
@@ -72,7 +73,8 @@ class ScheduleRequest(_message.Message):
     prefix_block_hashes: _containers.RepeatedScalarFieldContainer[int]
     prefix_block_tokens: int
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., expected_output_tokens: _Optional[int] = ..., tier: _Optional[str] = ..., prefix_hints: _Optional[_Iterable[str]] = ..., model_revision: _Optional[str] = ..., preferred_pool: _Optional[str] = ..., prefix_block_hashes: _Optional[_Iterable[int]] = ..., prefix_block_tokens: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    avoid_workers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., expected_output_tokens: _Optional[int] = ..., tier: _Optional[str] = ..., prefix_hints: _Optional[_Iterable[str]] = ..., model_revision: _Optional[str] = ..., preferred_pool: _Optional[str] = ..., prefix_block_hashes: _Optional[_Iterable[int]] = ..., prefix_block_tokens: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., avoid_workers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Estimates(_message.Message):
     __slots__ = ("kv_bytes", "transfer_ms", "recompute_ms", "conversion_ms", "prefill_wait_ms", "prefill_ms", "ttft_ms", "tpot_ms")

@@ -21,6 +21,7 @@ from .pairing import own_ms
 
 __all__ = [
     "ADMISSION_RETRY_FLOOR_MS",
+    "AdmissionLimitFilter",
     "HardTtftFilter",
     "LimitParams",
     "TpotAdmissionFilter",
@@ -81,7 +82,22 @@ class HardTtftFilter(OptionFilter):
         return [o for o in options if o.ttft_ms <= bound]
 
 
-class TtftAdmissionFilter(OptionFilter):
+class AdmissionLimitFilter(OptionFilter):
+    """The admission limits past capacity: ``L = factor x target_ms(ctx)``, one of the
+    tier's targets (``LimitParams``; factor 0: the filter is off). Each admission filter
+    names its target and how it keeps options against ``L``."""
+
+    Params: ClassVar[type[LimitParams]] = LimitParams
+
+    def target_ms(self, ctx: RequestContext) -> float:
+        raise NotImplementedError
+
+    def bound(self, ctx: RequestContext) -> float | None:
+        factor = float(self.params.factor)
+        return self.target_ms(ctx) * factor if factor > 0 else None
+
+
+class TtftAdmissionFilter(AdmissionLimitFilter):
     """Admission past capacity by TTFT, limit ``L = factor x tier.ttft_ms``: keeps the options
     with ``ttft_est + admit_extra_ms <= L`` (a request expecting ``k`` times the traffic's
     mean output is judged with ``k`` times its decode admission wait: past capacity the
@@ -92,13 +108,11 @@ class TtftAdmissionFilter(OptionFilter):
     after how far the best estimate is past ``L`` (:func:`admission_retry_ms`)."""
 
     type_name: ClassVar[str] = "ttft-admission-filter"
-    Params: ClassVar[type[LimitParams]] = LimitParams
     note: ClassVar[str] = "admission_ttft_ms"
     reject_reason: ClassVar[str] = "ttft_over_admission_limit"
 
-    def bound(self, ctx: RequestContext) -> float | None:
-        factor = float(self.params.factor)
-        return ctx.tier.ttft_ms * factor if factor > 0 else None
+    def target_ms(self, ctx: RequestContext) -> float:
+        return ctx.tier.ttft_ms
 
     def keep(self, options: list[Option], ctx: RequestContext, bound: float) -> list[Option]:
         too_long = bool(options) and min(own_ms(o) for o in options) > bound
@@ -112,7 +126,7 @@ class TtftAdmissionFilter(OptionFilter):
         return admission_retry_ms(min(o.ttft_ms for o in options), bound, default_ms)
 
 
-class TpotAdmissionFilter(OptionFilter):
+class TpotAdmissionFilter(AdmissionLimitFilter):
     """Admission past capacity by TPOT, limit ``L = factor x tier.tpot_ms``: keeps the options
     with ``tpot_est <= L`` (the decode worker's step with this request and the prefills it is
     taking). When none is, a worker too slow for ``L`` even decoding this request alone
@@ -122,13 +136,11 @@ class TpotAdmissionFilter(OptionFilter):
     then missed (bench/README.md). None kept: ``tpot_over_admission_limit``."""
 
     type_name: ClassVar[str] = "tpot-admission-filter"
-    Params: ClassVar[type[LimitParams]] = LimitParams
     note: ClassVar[str] = "admission_tpot_ms"
     reject_reason: ClassVar[str] = "tpot_over_admission_limit"
 
-    def bound(self, ctx: RequestContext) -> float | None:
-        factor = float(self.params.factor)
-        return ctx.tier.tpot_ms * factor if factor > 0 else None
+    def target_ms(self, ctx: RequestContext) -> float:
+        return ctx.tier.tpot_ms
 
     def keep(self, options: list[Option], ctx: RequestContext, bound: float) -> list[Option]:
         kept = [o for o in options if o.tpot_ms <= bound]

@@ -238,6 +238,7 @@ def declared_stages(stage: Stage) -> tuple[DeclaredStage, ...]:
 
 MAX_PREFIX_BLOCKS = 8192  # 1M tokens at 128 per block
 MAX_PREFIX_BLOCK_TOKENS = 4096
+MAX_AVOID_WORKERS = 16  # a re-plan names the few workers its failed chain ran on
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,6 +251,8 @@ class Request:
     held prefix of them, and its prefill estimate counts only the rest.
     ``preferred_pool``: a pool the caller wants (sticky routing); when it cannot execute the
     request the decision is a REROUTE and the record says why.
+    ``avoid_workers``: workers the caller just saw fail for this request; no step of the plan
+    runs on them (they are dropped as ``failed_for_this_request``).
     """
 
     request_id: str
@@ -262,6 +265,7 @@ class Request:
     preferred_pool: str = ""
     prefix_blocks: tuple[int, ...] = ()
     prefix_block_tokens: int = 0
+    avoid_workers: tuple[str, ...] = ()
 
     def validate(self) -> None:
         """Raise :class:`InvalidInputError` naming the first bad field."""
@@ -289,6 +293,8 @@ class Request:
                 )
             if len(self.prefix_blocks) > MAX_PREFIX_BLOCKS:
                 raise InvalidInputError("prefix_blocks", f"at most {MAX_PREFIX_BLOCKS} blocks")
+        if len(self.avoid_workers) > MAX_AVOID_WORKERS:
+            raise InvalidInputError("avoid_workers", f"at most {MAX_AVOID_WORKERS} worker ids")
 
 
 @dataclass(frozen=True, slots=True)

@@ -138,6 +138,9 @@ class Preselection:
         """Why the filters drop ``ws`` for ``role`` (the first filter's reason), or None."""
         if colocated and ws.view.stage is not Stage.BOTH:
             return "not_colocated"
+        avoid = ctx.request.avoid_workers
+        if avoid and ws.worker_id in avoid:
+            return "failed_for_this_request"
         for drop_reason in self.drop_reasons[role]:
             reason = drop_reason(ws, role, ctx)
             if reason is not None:
