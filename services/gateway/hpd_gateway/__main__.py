@@ -19,6 +19,7 @@ gateway runs on uvloop; HPD_EVENT_LOOP=asyncio runs it on the standard library's
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import signal
 import ssl
 import sys
@@ -35,6 +36,7 @@ from hpd_common.errors import InvalidArgument
 from hpd_common.exposure import check_exposure
 from hpd_common.logging import configure_logging, get_logger
 from hpd_common.metrics import watch_gc
+from hpd_common.processes import ProcessGroup, process_index
 from hpd_common.server import freeze_startup_heap
 from hpd_common.settings import load_settings, settings_parser, split_csv
 from hpd_scheduler.settings import SchedulerSettings
@@ -149,6 +151,13 @@ class GatewaySettings(CallSettings):
     )
     log_level: str = field(default="info", metadata={"help": "debug, info, warning or error"})
     json_logs: bool | None = field(default=None, metadata={"help": "JSON logs (default: no TTY)"})
+    workers: int = field(
+        default=1,
+        metadata={"help": "gateway processes serving this port (SO_REUSEPORT; the kernel "
+                  "spreads connections), about one per core: each a whole gateway with its "
+                  "own scheduler replica, sharing Redis; needs a fixed --port; metrics of "
+                  "worker i on metrics_port + i"},
+    )  # fmt: skip
     tracing: bool = field(
         default=False,
         metadata={"help": "OpenTelemetry traces of every request (a span per step, its "
@@ -187,6 +196,10 @@ def _check(s: GatewaySettings) -> ApiKeys | None:
             raise InvalidArgument(name, "must be > 0")
     if s.max_connections < 1:
         raise InvalidArgument("max_connections", "must be >= 1")
+    if s.workers < 1:
+        raise InvalidArgument("workers", "must be >= 1")
+    if s.workers > 1 and s.port == 0:
+        raise InvalidArgument("workers", "more than one worker needs a fixed --port")
     return keys
 
 
@@ -295,7 +308,9 @@ class GatewayServer:
         if s.tls_cert_file:
             ssl_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             ssl_ctx.load_cert_chain(s.tls_cert_file, s.tls_key_file)
-        site = web.TCPSite(self._runner, s.host, s.port, ssl_context=ssl_ctx)
+        # several workers share the port (hpd_common.processes): each binds it with reuse
+        shared = s.workers > 1 or process_index(WORKER_ENV) is not None
+        site = web.TCPSite(self._runner, s.host, s.port, ssl_context=ssl_ctx, reuse_port=shared)
         await site.start()
         host, port = self._runner.addresses[0][:2]
         self.url = f"{'https' if ssl_ctx else 'http'}://{host}:{port}"
@@ -322,9 +337,35 @@ class GatewayServer:
         await self.control.close()
 
 
+WORKER_ENV = "HPD_GATEWAY_WORKER"
+"""Set to the worker's index in every gateway process ``--workers N`` starts."""
+
+
+def worker_settings(s: GatewaySettings) -> GatewaySettings:
+    """A worker started by ``--workers``: its own metrics port (``metrics_port + i``)."""
+    index = process_index(WORKER_ENV)
+    if index is None or s.metrics_port <= 0:
+        return s
+    return dataclasses.replace(s, metrics_port=s.metrics_port + index)
+
+
+async def _keep_workers(group: ProcessGroup) -> None:
+    """Workers 1..N-1 of ``--workers N`` (this process is worker 0): one that dies is
+    started again, as ``hpd scheduler --processes`` does."""
+    while True:
+        await asyncio.sleep(1.0)
+        await asyncio.to_thread(group.restart_dead)
+
+
 async def serve(s: GatewaySettings, ready: asyncio.Event | None = None) -> None:
     server = GatewayServer(s)
     url = await server.start()
+    group = None
+    if s.workers > 1 and process_index(WORKER_ENV) is None:
+        group = ProcessGroup("hpd_gateway", WORKER_ENV, s, s.workers, first=1)
+        group.start()
+        keeper = asyncio.ensure_future(_keep_workers(group))
+        print(f"hpd: gateway: {s.workers} workers share the port", file=sys.stderr, flush=True)
     print(f"hpd: gateway listening on {url}", file=sys.stderr, flush=True)
     if server.metrics_url:
         print(f"hpd: gateway metrics on {server.metrics_url}", file=sys.stderr, flush=True)
@@ -341,6 +382,9 @@ async def serve(s: GatewaySettings, ready: asyncio.Event | None = None) -> None:
     try:
         await stop.wait()
     finally:
+        if group is not None:
+            keeper.cancel()
+            await asyncio.to_thread(group.stop)
         await server.stop()
 
 
@@ -349,7 +393,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = settings_parser(prog, __doc__, GatewaySettings)
     args = parser.parse_args(argv)
     try:
-        settings = load_settings(GatewaySettings, args)
+        settings = worker_settings(load_settings(GatewaySettings, args))
         configure_logging(settings.log_level, settings.json_logs)
         _check(settings)
         LocalTokenizers(dict(_pairs(settings.tokenizer, "tokenizer")))  # fails fast

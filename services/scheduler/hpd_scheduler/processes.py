@@ -16,29 +16,19 @@ The supervisor (the process started by the operator) starts the N children, rest
 that dies (after a second, logged), and on SIGTERM / SIGINT stops them all and waits for
 each. Under ``hpd up`` its own process is process 0 and it restarts the others the same
 way. Children get their settings in a private YAML file (so a token never shows in ``ps``)
-and ``HPD_SCHEDULER_PROCESS=i``.
+and ``HPD_SCHEDULER_PROCESS=i`` (``hpd_common.processes``, which ``hpd gateway --workers``
+shares).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import os
-import signal
-import subprocess
-import sys
-import tempfile
-import time
-from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
-import yaml
-
 from hpd_common.errors import InvalidArgument
-from hpd_common.logging import get_logger
-
-log = get_logger("scheduler.processes")
+from hpd_common.processes import ProcessGroup
+from hpd_common.processes import process_index as _index
+from hpd_common.processes import supervise as _supervise
 
 PROCESS_ENV = "HPD_SCHEDULER_PROCESS"
 """Set to the child's index in every scheduler process a supervisor starts."""
@@ -46,8 +36,7 @@ PROCESS_ENV = "HPD_SCHEDULER_PROCESS"
 
 def process_index() -> int | None:
     """This process's index when a supervisor started it, else None."""
-    raw = os.environ.get(PROCESS_ENV)
-    return int(raw) if raw is not None and raw.isdigit() else None
+    return _index(PROCESS_ENV)
 
 
 def child_settings(settings: Any, index: int) -> Any:
@@ -67,92 +56,18 @@ def check(settings: Any) -> None:
         raise InvalidArgument("processes", "more than one process needs a fixed --port")
 
 
-class SchedulerProcesses:
-    """Children ``first..count-1`` of a scheduler on ``settings.port``."""
+class SchedulerProcesses(ProcessGroup):
+    """Children ``first..processes-1`` of a scheduler on ``settings.port``
+    (``hpd_common.processes``)."""
 
     def __init__(self, settings: Any, first: int = 0) -> None:
         check(settings)
-        self.settings = settings
-        self.first = first
-        self._dir = tempfile.TemporaryDirectory(prefix="hpd-scheduler-")
-        self._config = Path(self._dir.name) / "scheduler.yaml"
-        fd = os.open(self._config, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            yaml.safe_dump(dataclasses.asdict(settings), f)
-        self.procs: dict[int, subprocess.Popen[bytes]] = {}
-        self.stopping = False
-
-    def _env(self, index: int) -> Mapping[str, str]:
-        # the YAML file holds every setting: a setting's HPD_<NAME> variable (or HPD_CONFIG)
-        # meant for the parent must not override it in a child; others (HPD_NATIVE) stay
-        settings_vars = {"HPD_CONFIG"} | {
-            f"HPD_{f.name.upper()}" for f in dataclasses.fields(self.settings)
-        }
-        env = {k: v for k, v in os.environ.items() if k not in settings_vars}
-        env[PROCESS_ENV] = str(index)
-        return env
-
-    def spawn(self, index: int) -> None:
-        self.procs[index] = subprocess.Popen(
-            [sys.executable, "-m", "hpd_scheduler", "--config", str(self._config)],
-            env=dict(self._env(index)),
-        )
-        log.info("scheduler_process_started", index=index, pid=self.procs[index].pid)
-
-    def start(self) -> None:
-        for i in range(self.first, self.settings.processes):
-            self.spawn(i)
-
-    def restart_dead(self) -> list[int]:
-        """Starts again every child that exited while not stopping; their indices."""
-        dead = [i for i, p in self.procs.items() if p.poll() is not None]
-        if self.stopping:
-            return []
-        for i in dead:
-            log.warning("scheduler_process_exited", index=i, code=self.procs[i].returncode)
-            self.spawn(i)
-        return dead
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM to every child, then SIGKILL to one still there after ``timeout_s``."""
-        self.stopping = True
-        for p in self.procs.values():
-            if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for p in self.procs.values():
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(5)
-        self._dir.cleanup()
+        super().__init__("hpd_scheduler", PROCESS_ENV, settings, settings.processes, first)
 
 
 def supervise(settings: Any, restart_delay_s: float = 1.0) -> int:
     """The supervisor's life: start every child, keep them running, stop them on a signal."""
-    group = SchedulerProcesses(settings)
-    stop = False
-
-    def on_signal(_sig: int, _frame: Any) -> None:
-        nonlocal stop
-        stop = True
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        group.start()
-        log.info("scheduler_processes_running", processes=settings.processes, port=settings.port)
-        while not stop:
-            time.sleep(0.2)
-            if group.restart_dead():
-                time.sleep(restart_delay_s)  # a child that dies at once must not spin
-    finally:
-        group.stop()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    log.info("scheduler_processes_stopped", processes=settings.processes)
-    return 0
+    return _supervise(SchedulerProcesses(settings), restart_delay_s)
 
 
 def prepare(settings: Any) -> Any | int:
