@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import signal
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -98,9 +97,6 @@ class ServerSettings(CallSettings):
             insecure=self.insecure,
             what="this service",
         )
-
-    def with_overrides(self, **changes: Any) -> Any:
-        return dataclasses.replace(self, **changes)
 
 
 class Component(Protocol):

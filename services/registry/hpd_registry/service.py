@@ -188,8 +188,6 @@ class RegistryService(ChangeFeed, Heartbeats):
         log.info("worker_deregistered", worker_id=worker_id, revision=rev)
         return rev
 
-    # -- heartbeats -------------------------------------------------------------------------
-
     # -- operator actions -------------------------------------------------------------------
 
     async def report_kv_events(

@@ -231,18 +231,11 @@ class SchedulerService(PolicyAndDirectives, OutcomeReports, RouteRecords, Schedu
         """Stop the informer (``FleetInformer.stop`` cancels until its task has ended)."""
         await self.informer.stop()
 
-    def view_age_s(self) -> float:
-        return self.informer.age_s()
-
     def ready(self) -> bool:
         """Serving only while the fleet view is within the staleness bound."""
         age = self.informer.age_s()
         metrics.VIEW_AGE_SECONDS.set(min(age, 1e9))
         return age * 1000 <= self.settings.staleness_bound_ms
-
-    # -- fleet snapshot ---------------------------------------------------------------------
-
-    # -- reservation mirror -----------------------------------------------------------------
 
     # -- Schedule ---------------------------------------------------------------------------
 
@@ -441,9 +434,3 @@ class SchedulerService(PolicyAndDirectives, OutcomeReports, RouteRecords, Schedu
             and bool(self._totals)
             and decision.reject_class != RejectClass.NO_CAPABLE_WORKER
         )
-
-    # -- route records ----------------------------------------------------------------------
-
-    # -- policy -----------------------------------------------------------------------------
-
-    # -- recommendations and directives ---------------------------------------------------

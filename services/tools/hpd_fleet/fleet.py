@@ -32,7 +32,6 @@ import grpc
 
 from hetero_pd.v1 import common_pb2 as c
 from hpd_agent.worker_client import ClientTiming, WorkerClient
-from hpd_common import perfmodel
 from hpd_common.clock import Clock
 from hpd_common.gpus import gpu_profile
 from hpd_common.logging import get_logger
@@ -258,8 +257,3 @@ class Fleet:
             raise ValueError(f"no pool {pool_id!r}; pools: {', '.join(self.pools())}")
         log.warning("fault_pool_filled", pool_id=pool_id, fraction=fraction)
         return ids
-
-
-def kv_bytes_of(cluster: ClusterSpec, tokens: int) -> int:
-    """KV bytes of ``tokens`` prompt tokens in bf16 (the planner's transfer size)."""
-    return perfmodel.kv_bytes(cluster.model, tokens)

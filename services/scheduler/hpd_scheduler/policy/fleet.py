@@ -491,8 +491,3 @@ class Fleet:
         if n == 0:
             return []
         return [index.workers[(start + i) % n] for i in range(min(k, n))]
-
-
-def kv_bytes_for(ws: WorkerState, tokens: int) -> int:
-    """KV bytes of ``tokens`` tokens in this worker's own format (whole model, all ranks)."""
-    return tokens * ws.cap.kv_bytes_per_token
