@@ -72,7 +72,6 @@ from hpd_scheduler.policy import (
     Decision,
     FallbackStep,
     Fleet,
-    InvalidInputError,
     LinkModel,
     Mode,
     Planner,
@@ -266,11 +265,8 @@ class SchedulerService(PolicyAndDirectives, OutcomeReports, RouteRecords, Schedu
         refuse_when_full(self.client, self.settings.redis_memory_limit_ratio, "plans")
         s = self.settings
         pol = self._policy
-        try:
-            req.validate()
-            tier = pol.profile.tier(req.tier)
-        except InvalidInputError as exc:
-            raise InvalidArgument(exc.field, exc.message) from None
+        req.validate()  # InvalidInputError: an InvalidArgument naming the field
+        tier = pol.profile.tier(req.tier)
         self.prompt_mix.observe(req.prompt_tokens)
         self.output_mix.observe(req.expected_output_tokens)
         fleet = self.fleet()
@@ -279,10 +275,7 @@ class SchedulerService(PolicyAndDirectives, OutcomeReports, RouteRecords, Schedu
         resynced = False
         for attempt in range(s.max_plan_attempts):
             now_ms = self.clock.now_ms()
-            try:
-                decision = pol.planner.plan(req, fleet, now_ms / 1000.0, self.rng)
-            except InvalidInputError as exc:
-                raise InvalidArgument(exc.field, exc.message) from None
+            decision = pol.planner.plan(req, fleet, now_ms / 1000.0, self.rng)
             plan, chain = decision.plan, decision.fallbacks
             if plan is None and self._worth_resync(decision, resynced):
                 # our mirror may hold reservations another replica has since released:

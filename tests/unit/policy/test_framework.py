@@ -8,10 +8,12 @@ import random
 from dataclasses import replace
 from typing import Any, ClassVar
 
+import grpc
 import pytest
 import yaml
 
 from hpd_common import native
+from hpd_common.rpc import status_for
 from hpd_scheduler.policy import (
     REGISTRY,
     ConfigError,
@@ -163,6 +165,25 @@ def test_policy_errors_survive_a_pickle_round_trip(err: ConfigError | InvalidInp
     assert type(back) is type(err)
     assert str(back) == str(err)
     assert vars(back) == vars(err)
+
+
+@pytest.mark.parametrize(
+    "err",
+    [
+        ConfigError("slo_objective.admit_ttft_factor", "must be 0 (off) or in (0, 4]"),
+        InvalidInputError("prompt_tokens", "must be > 0"),
+    ],
+    ids=lambda e: type(e).__name__,
+)
+def test_policy_errors_reach_the_edge_as_invalid_argument_naming_the_field(
+    err: ConfigError | InvalidInputError,
+) -> None:
+    """The one translator (``rpc.status_for``) answers a policy error INVALID_ARGUMENT with
+    its field in the trailers, with no translation by hand on the way."""
+    code, message, trailers = status_for(err)
+    field = err.key_path if isinstance(err, ConfigError) else err.field
+    assert code is grpc.StatusCode.INVALID_ARGUMENT
+    assert message == str(err) and dict(trailers)["hpd-field"] == field
 
 
 def test_invalid_yaml_is_a_config_error() -> None:

@@ -2,10 +2,15 @@
 
 Every error carries data (the offending field or config key path, the worker id, the reasons),
 so the one translator at the API edge can pick a status code and name the culprit. All of them
-are ``ValueError`` subclasses: bad input to a pure function is a value problem.
+are ``ValueError`` subclasses: bad input to a pure function is a value problem. Bad input is
+also the foundation's ``InvalidArgument`` (its field: the argument, or the config key path),
+so ``hpd_common.rpc.status_for`` answers it INVALID_ARGUMENT naming the field wherever it
+reaches the edge, with no translation by hand on the way.
 """
 
 from __future__ import annotations
+
+from hpd_common.errors import InvalidArgument
 
 __all__ = ["ConfigError", "InvalidInputError", "PolicyError", "UnknownPluginError"]
 
@@ -14,16 +19,14 @@ class PolicyError(ValueError):
     """Base class of every error raised by the policy core."""
 
 
-class InvalidInputError(PolicyError):
+class InvalidInputError(PolicyError, InvalidArgument):
     """An argument is out of its domain (negative tokens, zero bandwidth, unknown tier...).
 
     ``field`` names the argument or request field, for INVALID_ARGUMENT at the edge.
     """
 
     def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
+        InvalidArgument.__init__(self, field, message)  # ValueError's comes first in the MRO
 
     def __reduce__(self) -> tuple[type[InvalidInputError], tuple[str, str]]:
         # rebuilt from its fields, not from ``args`` (one formatted string): the suite's
@@ -31,7 +34,7 @@ class InvalidInputError(PolicyError):
         return (type(self), (self.field, self.message))
 
 
-class ConfigError(PolicyError):
+class ConfigError(PolicyError, InvalidArgument):
     """A scheduler profile that cannot be loaded.
 
     ``key_path`` is the dotted path of the offending key in the YAML document, for example
@@ -39,9 +42,8 @@ class ConfigError(PolicyError):
     """
 
     def __init__(self, key_path: str, message: str) -> None:
-        super().__init__(f"{key_path}: {message}")
+        InvalidArgument.__init__(self, key_path, message)  # ValueError's comes first in the MRO
         self.key_path = key_path
-        self.message = message
 
     def __reduce__(self) -> tuple[type[ConfigError], tuple[str, str]]:
         # as InvalidInputError's: a bad profile in a suite worker reached the parent as
