@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -36,6 +35,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from hpd_common import tracing
+from hpd_common.ids import is_id
 from hpd_common.logging import get_logger
 
 from .keys import ApiKey, ApiKeys
@@ -47,7 +47,6 @@ __all__ = ["build_app", "build_metrics_app"]
 
 log = get_logger("gateway")
 
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 MAX_SCHEDULER_ID = 128  # the scheduler's request-id limit
 PARSE_OFF_LOOP_BYTES = 256 << 10
 """Bodies larger than this are parsed on a worker thread: a 4 MiB JSON body takes tens of
@@ -175,7 +174,7 @@ class _Routes:
         if key is None:
             return rid
         sid = f"{key.tenant}:{rid}"
-        if len(sid) <= MAX_SCHEDULER_ID and _REQUEST_ID.match(sid):
+        if len(sid) <= MAX_SCHEDULER_ID and is_id(sid):
             return sid
         return "t-" + hashlib.sha256(sid.encode()).hexdigest()[:40]
 
@@ -189,7 +188,7 @@ class _Routes:
         self, request: web.Request, kind: str, span: tracing.Span
     ) -> web.StreamResponse:
         rid = request.headers.get("x-request-id", "")
-        rid = rid if _REQUEST_ID.match(rid) else "gw-" + uuid.uuid4().hex
+        rid = rid if is_id(rid) else "gw-" + uuid.uuid4().hex
         key: ApiKey | None = None
         status = 500
         try:

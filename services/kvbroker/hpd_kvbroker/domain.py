@@ -34,8 +34,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from hpd_common.errors import InvalidArgument
+from hpd_common.ids import check_id
 from hpd_common.kvformat import ConversionStep, Negotiation, Verdict
-from hpd_registry.validation import check_id
 
 MAX_EXPECTED_BYTES = 1 << 50
 """1 PiB: far above any KV cache (a 1M-token context of a 70B model in fp32 is ~0.6 TiB)."""
@@ -266,7 +266,7 @@ def check_expected_bytes(path: str, value: int) -> None:
 
 
 def check_ids(**ids: str) -> None:
-    """Each named id is 1-128 characters of [A-Za-z0-9._:-]."""
+    """Each named id follows the one id rule (``hpd_common.ids``)."""
     for path, value in ids.items():
         check_id(path, value)
 

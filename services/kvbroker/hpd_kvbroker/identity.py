@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from hpd_common import auth
 from hpd_common.auth import Role
 from hpd_common.errors import InvalidArgument, PermissionDenied
+from hpd_common.ids import check_id
 from hpd_kvbroker.domain import GATEWAY_OPS, SCHEDULER_OPS, Op
 from hpd_kvbroker.settings import KvBrokerSettings
 from hpd_registry.store import credential_hash
-from hpd_registry.validation import check_id
 
 __all__ = ["MAX_CREDENTIAL_LEN", "Caller", "authenticate"]
 

@@ -12,11 +12,11 @@ import redis.asyncio as aioredis
 
 from hpd_common.clock import Clock
 from hpd_common.errors import InvalidArgument, NotFound, Unavailable
+from hpd_common.ids import check_id
 from hpd_common.logging import get_logger
 from hpd_kvbroker.domain import Session, SessionState
 from hpd_kvbroker.settings import KvBrokerSettings
 from hpd_kvbroker.store import SessionStore, SweepResult, decode_session
-from hpd_registry.validation import check_id
 
 log = get_logger("kvbroker")
 

@@ -36,6 +36,7 @@ from hpd_common.errors import (
     PermissionDenied,
     Unavailable,
 )
+from hpd_common.ids import check_id
 from hpd_common.kvformat import KvFormat, KvFormatError, Negotiation, Verdict, across_models
 from hpd_common.logging import get_logger
 from hpd_common.redis_conn import refuse_when_full
@@ -60,7 +61,6 @@ from hpd_registry.domain import WorkerRecord
 from hpd_registry.informer import FleetChange, FleetInformer
 from hpd_registry.keys import RegistryKeys
 from hpd_registry.store import RegistryStore
-from hpd_registry.validation import check_id
 
 log = get_logger("kvbroker")
 

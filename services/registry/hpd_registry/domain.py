@@ -22,7 +22,6 @@ class DirectiveKind(enum.StrEnum):
     THROTTLE = "THROTTLE"
 
 
-ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9._/\-]{1,63}$")
 MAX_LABELS = 64
 MAX_GPUS = 1024

@@ -11,12 +11,13 @@ from typing import Any
 
 from hpd_common.aio import cancel_and_wait
 from hpd_common.errors import InvalidArgument, NotFound, PermissionDenied
+from hpd_common.ids import check_id
 from hpd_common.logging import get_logger
 from hpd_common.worker_model import Health, LoadReport
 from hpd_registry.domain import Directive, flag_health
 from hpd_registry.feed import RegistryState, stopping
 from hpd_registry.store import HeartbeatItem, HeartbeatResult, credential_hash
-from hpd_registry.validation import check_id, stamp_load, validate_load
+from hpd_registry.validation import stamp_load, validate_load
 
 log = get_logger("registry")
 

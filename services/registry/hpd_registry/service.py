@@ -33,6 +33,7 @@ from hpd_common.errors import (
     Unavailable,
 )
 from hpd_common.gpus import GPU_ALIASES, GPU_PROFILES
+from hpd_common.ids import check_id
 from hpd_common.logging import get_logger
 from hpd_common.metrics import DIRECTIVES_DROPPED
 from hpd_common.worker_model import Health, WorkerSpec
@@ -50,7 +51,7 @@ from hpd_registry.heartbeats import END, WAKE, Heartbeats
 from hpd_registry.keys import RegistryKeys
 from hpd_registry.settings import RegistrySettings
 from hpd_registry.store import HeartbeatItem, HeartbeatResult, RegistryStore, credential_hash
-from hpd_registry.validation import check_id, validate_directive, validate_spec
+from hpd_registry.validation import validate_directive, validate_spec
 
 log = get_logger("registry")
 

@@ -8,11 +8,11 @@ import math
 from dataclasses import replace
 
 from hpd_common.errors import InvalidArgument
+from hpd_common.ids import check_id
 from hpd_common.kvformat import KvFormatError
 from hpd_common.worker_model import LoadReport, WorkerSpec
 from hpd_registry.domain import (
     CLOCK_SKEW_MS,
-    ID_RE,
     LABEL_KEY_RE,
     MAX_BATCH,
     MAX_COUNT,
@@ -24,13 +24,6 @@ from hpd_registry.domain import (
     Directive,
     DirectiveKind,
 )
-
-
-def check_id(path: str, value: str) -> None:
-    if not value:
-        raise InvalidArgument(path, "is required")
-    if not ID_RE.match(value):
-        raise InvalidArgument(path, "must be 1-128 characters of [A-Za-z0-9._:-]")
 
 
 def check_text(path: str, value: str, max_len: int, required: bool = False) -> None:

@@ -13,6 +13,7 @@ from hetero_pd.v1 import scheduler_pb2 as s
 from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
 from hpd_common import rpc, tracing
 from hpd_common.errors import InvalidArgument
+from hpd_common.ids import check_id
 from hpd_common.server import ServiceComponent
 from hpd_scheduler import convert as cv
 from hpd_scheduler.service import SchedulerService
@@ -117,7 +118,7 @@ class SchedulerApi(s_grpc.SchedulerServiceServicer):
     async def GetRouteRecord(
         self, request: s.GetRouteRecordRequest, context: Any
     ) -> s.GetRouteRecordResponse:
-        cv.check_id("request_id", request.request_id)
+        check_id("request_id", request.request_id)
         rec = await self.svc.get_record(request.request_id)
         return s.GetRouteRecordResponse(record=cv.record_to_pb(rec))
 

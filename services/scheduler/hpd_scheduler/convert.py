@@ -7,7 +7,6 @@ functions turn them into messages. Validation errors name the field (INVALID_ARG
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,6 +14,7 @@ from google.protobuf import struct_pb2
 
 from hetero_pd.v1 import scheduler_pb2 as s
 from hpd_common.errors import InvalidArgument
+from hpd_common.ids import check_id
 from hpd_scheduler.directives import Recommendations
 from hpd_scheduler.policy import Request
 from hpd_scheduler.policy.domain import (
@@ -26,7 +26,6 @@ from hpd_scheduler.record_queries import RecordQuery
 from hpd_scheduler.settings import PolicyState
 from hpd_scheduler.store import UNREADABLE_EXPLANATION, StoredRecord
 
-ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 MAX_TOKENS = 10_000_000
 MAX_MS = 1e7
 MAX_HINTS = 64
@@ -48,11 +47,6 @@ DECISION_TO_PB: dict[str, s.RouteDecision] = {
     "reject": s.ROUTE_DECISION_REJECT,
 }
 DECISION_FROM_PB: dict[int, str] = {v: k for k, v in DECISION_TO_PB.items()}
-
-
-def check_id(field: str, value: str) -> None:
-    if not ID_RE.match(value):
-        raise InvalidArgument(field, "must be 1-128 characters of [A-Za-z0-9._:-]")
 
 
 def _text(field: str, value: str, max_len: int, required: bool = False) -> None:

@@ -45,3 +45,15 @@ def test_the_planner_and_the_registry_use_the_same_types() -> None:
     view = synthetic_fleet(2, random.Random(1))[0]
     assert type(view.spec) is worker_model.WorkerSpec
     assert view.worker_id == view.spec.worker_id and view.network is view.spec.network
+
+
+def test_the_id_rule_has_one_home() -> None:
+    """Every id a caller gives (worker, pool, request, session, replica) is checked by
+    ``hpd_common.ids``: no other module spells the rule's pattern again."""
+    home = "hpd_common.ids"
+    spelled = [
+        module_name(path)
+        for path in hand_written()
+        if "A-Za-z0-9._:" in path.read_text() and "{1,128}" in path.read_text()
+    ]
+    assert spelled == [home], spelled
