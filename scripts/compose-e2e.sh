@@ -15,8 +15,10 @@
 #      kill, the fleet replay), on the stack in plaintext (tests/compose/compose.e2e.yaml:
 #      those tests are written for anonymous callers of every role);
 #   6. the stack as shipped (compose.yaml alone: mutual TLS, certificate identities), the
-#      certificates kept, not made anew, and tests/compose/test_tls.py plus the fleet
-#      replay against it (HPD_E2E_TLS=0 skips this phase);
+#      certificates kept, not made anew, with its gateway and the `fleet` profile's emulated
+#      engines behind it, and tests/compose/test_tls.py, the fleet replay and
+#      tests/compose/test_gateway.py (completions through the gateway's published port)
+#      against it (HPD_E2E_TLS=0 skips this phase);
 #   7. teardown of the stack and its volume, also on failure or Ctrl-C.
 #
 # Only the services the image's `hpd` knows are started (`hpd --help` lists them), so
@@ -245,7 +247,7 @@ echo "services: ${UP[*]}"
 # Free host ports on 127.0.0.1, so the stack never collides with anything already running.
 read -r -a PORTS <<<"$(python3 - <<'EOF'
 import socket
-socks = [socket.socket() for _ in range(6)]
+socks = [socket.socket() for _ in range(8)]
 for s in socks:
     s.bind(("127.0.0.1", 0))
 print(" ".join(str(s.getsockname()[1]) for s in socks))
@@ -257,6 +259,7 @@ export HPD_IMAGE=$IMAGE HPD_BASE_IMAGE=$BASE_IMAGE HPD_BIND=127.0.0.1
 export HPD_REGISTRY_PORT=${PORTS[0]} HPD_SCHEDULER_PORT=${PORTS[1]} HPD_KVBROKER_PORT=${PORTS[2]}
 export HPD_REGISTRY_METRICS_PORT=${PORTS[3]} HPD_SCHEDULER_METRICS_PORT=${PORTS[4]}
 export HPD_KVBROKER_METRICS_PORT=${PORTS[5]}
+export HPD_GATEWAY_PORT=${PORTS[6]} HPD_GATEWAY_METRICS_PORT=${PORTS[7]}
 compose() {
   "${COMPOSE[@]}" -p "$PROJECT" -f "$ROOT/compose.yaml" -f "$ROOT/tests/compose/compose.e2e.yaml" "$@"
 }
@@ -336,10 +339,10 @@ set -e
 
 # ---- 6. the stack as shipped: mutual TLS, certificate identities -------------------------
 [ "${HPD_E2E_TLS:-1}" = 1 ] || exit 0
-step "the stack as shipped (compose.yaml alone): mutual TLS"
+step "the stack as shipped (compose.yaml alone): mutual TLS, the gateway, the fleet profile"
 compose down -v -t 2 >/dev/null 2>&1 || true
-compose() {
-  "${COMPOSE[@]}" -p "$PROJECT" -f "$ROOT/compose.yaml" "$@"
+compose() {  # the profile lets `engines` come up by name and go down with the rest
+  "${COMPOSE[@]}" -p "$PROJECT" -f "$ROOT/compose.yaml" --profile fleet "$@"
 }
 certs_up  # it keeps what it made before
 as_root sha256sum -c --quiet "$WORK/ca.sum" || die "the certs service made a new CA over the kept one"
@@ -350,16 +353,35 @@ for svc in "${UP[@]}"; do
     --wait 90 --ca-file "$TLS_DIR/ca.pem" --cert-file "$TLS_DIR/client.pem" \
     --key-file "$TLS_DIR/client.key" || die "$svc did not become SERVING over TLS"
 done
+# The gateway (embedded mode: it plans in its own process over the stack's Redis) and the
+# emulated engines it serves (profile `fleet`), once the services they call are SERVING.
+compose up -d gateway engines >>"$WORK/up-tls.log" 2>&1 \
+  || { cat "$WORK/up-tls.log"; die "up of the gateway and engines failed"; }
+as_root .venv/bin/python - "https://127.0.0.1:$HPD_GATEWAY_PORT/health" "$TLS_DIR/ca.pem" <<'EOF' \
+  || die "the gateway did not answer /health over HTTPS"
+import ssl, sys, time, urllib.request
+context = ssl.create_default_context(cafile=sys.argv[2])
+deadline = time.monotonic() + 90
+while True:
+    try:
+        urllib.request.urlopen(sys.argv[1], timeout=3, context=context).close()
+        break
+    except OSError as exc:
+        if time.monotonic() > deadline:
+            sys.exit(f"{sys.argv[1]}: {exc}")
+        time.sleep(0.5)
+EOF
 step "tests against the stack as shipped"
 export HPD_COMPOSE_TLS_DIR=$TLS_DIR
 set +e
 as_root env "PATH=$PATH" "HPD_COMPOSE=1" "HPD_COMPOSE_TLS_DIR=$TLS_DIR" \
   "HPD_COMPOSE_ENGINE=$ENGINE" "HPD_COMPOSE_PROJECT=$PROJECT" \
-  "HPD_COMPOSE_SERVICES=${UP[*]}" \
+  "HPD_COMPOSE_SERVICES=${UP[*]} gateway engines" \
   "HPD_REGISTRY_ADDR=$HPD_REGISTRY_ADDR" "HPD_SCHEDULER_ADDR=$HPD_SCHEDULER_ADDR" \
-  "HPD_KVBROKER_ADDR=$HPD_KVBROKER_ADDR" \
+  "HPD_KVBROKER_ADDR=$HPD_KVBROKER_ADDR" "HPD_GATEWAY_ADDR=127.0.0.1:$HPD_GATEWAY_PORT" \
+  "HPD_GATEWAY_METRICS_PORT=$HPD_GATEWAY_METRICS_PORT" \
   .venv/bin/pytest -v -rA -p no:cacheprovider tests/compose/test_tls.py \
-  tests/compose/test_fleet_replay.py
+  tests/compose/test_fleet_replay.py tests/compose/test_gateway.py
 rc=$?
 set -e
 [ "$rc" = 0 ] || exit "$rc"

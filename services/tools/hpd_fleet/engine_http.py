@@ -50,7 +50,7 @@ from hpd_gateway.tokens import CHAT_TOKENS_PER_MESSAGE  # the gateway's estimate
 
 from .engine import WorkerLost
 from .engine_metrics import Counters, EngineMetrics
-from .fleet import EmulatedWorker, Fleet
+from .fleet import EmulatedWorker, Fleet, advertised_host
 
 __all__ = ["CHAT_TOKENS_PER_MESSAGE", "KV_HOLD_S", "FleetHttp", "prompt_ids"]
 
@@ -118,12 +118,13 @@ class _WorkerServer:
         worker: EmulatedWorker,
         sock: socket.socket,
         peers: Mapping[str, _WorkerServer],
+        host: str,
     ) -> None:
         self.fleet = fleet
         self.peers = peers
         self.worker = worker
         self.sock = sock
-        self.host, self.port = sock.getsockname()[:2]
+        self.host, self.port = host, sock.getsockname()[1]  # host: the name callers use
         self.counters = Counters()
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(EngineMetrics(worker, self.counters))
@@ -462,10 +463,12 @@ def _error(status: int, message: str, type_: str = "BadRequestError") -> web.Res
 
 
 class FleetHttp:
-    """Binds a port per worker of ``fleet`` (before the fleet registers, so each worker's
-    capability names its real endpoint), then serves them all (module docstring)."""
+    """Binds a port per worker of ``fleet`` on ``host`` (before the fleet registers, so each
+    worker's capability names its real endpoint), then serves them all (module docstring).
+    Workers register as ``<advertise>:<port>`` (:func:`~hpd_fleet.fleet.advertised_host`)."""
 
-    def __init__(self, fleet: Fleet, host: str = "127.0.0.1") -> None:
+    def __init__(self, fleet: Fleet, host: str = "127.0.0.1", advertise: str = "") -> None:
+        name = advertised_host(host, advertise)
         self.fleet = fleet
         self.servers: dict[str, _WorkerServer] = {}
         """Every worker's server: where a decode finds the engine that holds the KV it pulls
@@ -474,7 +477,7 @@ class FleetHttp:
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((host, 0))
-            self.servers[w.worker_id] = _WorkerServer(fleet, w, sock, self.servers)
+            self.servers[w.worker_id] = _WorkerServer(fleet, w, sock, self.servers, name)
         fleet.set_endpoints({wid: srv.endpoint for wid, srv in self.servers.items()})
 
     def endpoint(self, worker_id: str) -> str:

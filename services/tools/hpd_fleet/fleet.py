@@ -44,6 +44,7 @@ from .engine import EmulatedEngine, EmuTime, EngineSpec
 __all__ = [
     "EmulatedWorker",
     "Fleet",
+    "advertised_host",
     "capability_of",
     "default_cluster",
     "default_cluster_path",
@@ -93,6 +94,18 @@ def capability_of(view: WorkerView, worker_id: str, port: int) -> c.WorkerCapabi
         ),
         labels={"emulated": "true", **view.labels, "pool": view.pool_id},
     )
+
+
+def advertised_host(host: str, advertise: str = "") -> str:
+    """The host name of the endpoints emulated engines listening on ``host`` register with:
+    ``advertise``, else ``host``. A gateway on this machine reaches the bound address; one
+    elsewhere (another container of a compose stack) needs a name it resolves, with the
+    engines on an address that answers on it (``0.0.0.0``). ValueError for a wildcard
+    without a name: it would register endpoints nobody can call."""
+    name = advertise or host
+    if name in ("0.0.0.0", "::", ""):
+        raise ValueError(f"listening on {host!r} needs a host name to advertise (--advertise)")
+    return name
 
 
 def engine_spec_of(cluster: ClusterSpec, view: WorkerView, worker_id: str) -> EngineSpec:

@@ -21,6 +21,7 @@ from hpd_common.errors import HpdError, InvalidArgument
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("hpd_fleet.demo", "control plane + emulated heterogeneous fleet + trace replay"),
+    "fleet": ("hpd_fleet.serve", "an emulated fleet on vLLM's HTTP, attached to a running plane"),
     "up": ("hpd_tools.up", "run the whole control plane on this machine"),
     "registry": ("hpd_registry.__main__", "run the registry service"),
     "scheduler": ("hpd_scheduler.__main__", "run the scheduler service"),

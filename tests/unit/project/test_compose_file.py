@@ -9,6 +9,7 @@ checked against the real grpc.health.v1 messages and a real server.
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import re
 from collections.abc import Iterator, Mapping
@@ -24,7 +25,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[3]
 HPD_SERVICES = {"registry": 50051, "scheduler": 50052, "kvbroker": 50053}
-DEFAULT_SERVICES = {"redis", "certs", *HPD_SERVICES}
+DEFAULT_SERVICES = {"redis", "certs", "gateway", *HPD_SERVICES}
+FLEET_PROFILE = {"replay", "engines"}
 
 _VAR = re.compile(r"\$(?:(\$)|\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?-)([^}]*))?\})")
 
@@ -101,10 +103,10 @@ def test_default_services_and_fleet_profile(compose: dict[str, Any]) -> None:
     profiled = {
         name: svc["profiles"] for name, svc in services(compose).items() if name not in default
     }
-    assert profiled == {"replay": ["fleet"]}
+    assert profiled == {name: ["fleet"] for name in FLEET_PROFILE}
 
 
-@pytest.mark.parametrize("name", sorted(DEFAULT_SERVICES | {"replay"}))
+@pytest.mark.parametrize("name", sorted(DEFAULT_SERVICES | FLEET_PROFILE))
 def test_every_service_has_a_health_check(compose: dict[str, Any], name: str) -> None:
     check = services(compose)[name].get("healthcheck")
     assert check, f"{name} has no healthcheck"
@@ -327,7 +329,7 @@ def test_the_certs_service_makes_them_once_for_every_service_name(
     args = line.split("||")[0].split()
     assert args[:3] == ["hpd", "certs", "/tls"]
     hosts = {args[i + 1] for i, arg in enumerate(args) if arg == "--host"}
-    assert hosts == set(HPD_SERVICES)
+    assert hosts == {*HPD_SERVICES, "gateway"}
     assert args[args.index("--owner") + 1] == "10001"
     marker = certs["healthcheck"]["test"][-1]
     assert script.index(line) < script.index(f"touch {marker}")
@@ -357,3 +359,127 @@ def test_the_e2e_plaintext_overlay_overrides_no_list() -> None:
             if key.startswith(("HPD_TLS_", "HPD_CALL_", "HPD_AUTH_TOKENS")):
                 assert env[key] == "", f"{name}: {key} stays {value}"
         assert not any(isinstance(v, list) for v in svc.values()), name
+
+
+# ---- the gateway and the emulated engines it serves --------------------------------------
+
+
+def replica_config(gateway: dict[str, Any]) -> tuple[str, str]:
+    """(path, text) of the `hpd scheduler` settings file the gateway's command writes for
+    its embedded replica (a here-document), as the shell writes it: `$(hostname)` is the
+    container's host name."""
+    script = gateway["command"][-1]
+    m = re.search(r"^cat >(\S+) <<EOF\n(.*?)^EOF$", script, re.M | re.S)
+    assert m, f"no here-document in the gateway's command: {script!r}"
+    return m.group(1), m.group(2).replace("$(hostname)", "c0ffee")
+
+
+def gateway_settings(gateway: dict[str, Any], tmp_path: Path) -> Any:
+    """The gateway's settings as `hpd gateway` reads them in its container (its command's
+    flags, its environment), with the replica's file written where the test can read it."""
+    from hpd_common.settings import load_settings
+    from hpd_gateway.__main__ import GatewaySettings
+
+    path, text = replica_config(gateway)
+    argv = gateway["command"][-1].rsplit("exec ", 1)[1].split()
+    assert argv[:2] == ["hpd", "gateway"] and argv[2:] == ["--scheduler-config", path], argv
+    (tmp_path / "replica.yaml").write_text(text)
+    args = argparse.Namespace(config=None, scheduler_config=str(tmp_path / "replica.yaml"))
+    env = {k: str(v) for k, v in gateway["environment"].items()}
+    return load_settings(GatewaySettings, args, env=env)
+
+
+def test_the_gateway_plans_in_its_own_process_over_the_stacks_redis(
+    compose: dict[str, Any], tmp_path: Path
+) -> None:
+    """Embedded mode: no scheduler to plan at, the stack's Redis, registry and broker; the
+    replica's settings name the scheduler certificate for its own calls (OpenSession,
+    SendDirective), the stack's key prefix (moved with HPD_KEY_PREFIX) and a name of its
+    own in route records."""
+    from hpd_gateway.__main__ import embedded_settings
+
+    gateway = services(compose)["gateway"]
+    s = gateway_settings(gateway, tmp_path)
+    assert not s.scheduler and s.redis_url == "redis://redis:6379/0"
+    assert (s.registry, s.broker) == ("registry:50051", "kvbroker:50053")
+    replica = embedded_settings(s)
+    assert replica is not None
+    assert replica.call_ca_file == "/tls/ca.pem"
+    assert replica.call_cert_file == "/tls/role-scheduler.pem"
+    assert replica.call_key_file == "/tls/role-scheduler.key"
+    assert replica.key_prefix == services(compose)["scheduler"]["environment"]["HPD_KEY_PREFIX"]
+    assert replica.scheduler_id == "gateway-c0ffee"
+    moved = services(load_compose({"HPD_KEY_PREFIX": "elsewhere"}))["gateway"]
+    assert 'key_prefix: "elsewhere"' in replica_config(moved)[1]
+
+
+def test_the_gateway_calls_the_services_as_the_gateway_role_over_mutual_tls(
+    compose: dict[str, Any], tmp_path: Path
+) -> None:
+    gateway = services(compose)["gateway"]
+    s = gateway_settings(gateway, tmp_path)
+    assert (s.call_ca_file, s.call_cert_file, s.call_key_file) == (
+        "/tls/ca.pem", "/tls/role-gateway.pem", "/tls/role-gateway.key",
+    )  # fmt: skip
+    assert gateway["volumes"] == ["./tls:/tls:ro"]
+    for dep in ("redis", "certs", "registry", "kvbroker"):
+        assert gateway["depends_on"][dep] == {"condition": "service_healthy"}, dep
+    assert gateway["restart"] in ("always", "unless-stopped", "on-failure")
+
+
+def test_the_gateway_listens_beyond_loopback_with_api_keys_and_tls(
+    compose: dict[str, Any], tmp_path: Path
+) -> None:
+    """Not told to be insecure: HTTPS with the stack's server certificate (made for the name
+    `gateway`) and the API keys file the `certs` service makes, so `check_exposure` lets it
+    listen on every address of its container; both ports published (on loopback, as every
+    port: test_every_published_port_binds_loopback_by_default)."""
+    from hpd_common.exposure import check_exposure, is_loopback
+
+    gateway = services(compose)["gateway"]
+    s = gateway_settings(gateway, tmp_path)
+    assert not s.insecure and not is_loopback(s.host)
+    assert s.tls_cert_file == "/tls/server.pem" and s.tls_key_file == "/tls/server.key"
+    check_exposure(s.host, auth=bool(s.api_keys), tls=bool(s.tls_cert_file), insecure=False,
+                   what="the stack's gateway")  # fmt: skip
+    certs_script = services(compose)["certs"]["command"][-1]
+    assert f"hpd gateway-key --file {s.api_keys} " in certs_script
+    key_made = certs_script.index("hpd gateway-key")
+    assert key_made < certs_script.index("touch /tmp/certs-ready")
+    targets = {target for _, _, target in published(gateway)}
+    assert {str(s.port), str(s.metrics_port)} <= targets
+    assert s.metrics_host == "0.0.0.0"  # (reached through its published port only)
+
+
+def test_the_gateway_health_check_asks_its_https_health(
+    compose: dict[str, Any], tmp_path: Path
+) -> None:
+    gateway = services(compose)["gateway"]
+    s = gateway_settings(gateway, tmp_path)
+    test = gateway["healthcheck"]["test"]
+    assert test[0] == "CMD"
+    code = test[-1]
+    assert f"https://127.0.0.1:{s.port}/health" in code and "cafile='/tls/ca.pem'" in code
+    compile(code, "healthcheck", "exec")
+
+
+def test_the_fleet_profile_engines_are_reachable_from_the_gateway(
+    compose: dict[str, Any],
+) -> None:
+    """`engines`: `hpd fleet` listens on every address of its container and registers under
+    its service name (which the gateway's container resolves), as the worker role; its
+    workers' ids and model are its own, so it never takes the replay's requests."""
+    from hpd_fleet.serve import cluster_of, parser
+
+    engines = services(compose)["engines"]
+    cmd = engines["command"]
+    assert cmd[:2] == ["hpd", "fleet"]
+    args = parser().parse_args(cmd[2:])
+    assert (args.registry, args.broker) == ("registry:50051", "kvbroker:50053")
+    assert args.tls_dir == "/tls" and "./tls:/tls:ro" in engines["volumes"]
+    assert args.host == "0.0.0.0" and args.advertise == "engines"
+    assert args.id_prefix and args.ready_file
+    replay_cluster = cluster_of(parser().parse_args(["--registry", "r:1", "--broker", "b:2"]))
+    assert cluster_of(args).model.name != replay_cluster.model.name
+    assert engines["healthcheck"]["test"] == ["CMD", "test", "-f", args.ready_file]
+    assert engines["depends_on"]["certs"] == {"condition": "service_healthy"}
