@@ -26,20 +26,21 @@ up`` and its children (registry, scheduler, KV broker) and the private ``redis-s
 (anything the gateway calls); the router's = ``vllm-router`` and its children. The engines'
 and the client's CPU are read too and shown, but counted in neither arm.
 
-**Processes and threads.** The machine has 2 cores. Our gateway has no ``--workers``
-option: it is one process (one event loop), and the control plane's ``hpd up`` one more
-(its default, one scheduler process), plus Redis. ``vllm-router`` has no option for its
+**Processes and threads.** The machine has 2 cores. Our gateway runs ``--workers`` N
+processes on its port (default: one per core, ``--workers``), each with its own event loop
+and scheduler replica; the control plane's ``hpd up`` is one more process (its default, one
+scheduler process), plus Redis. ``vllm-router`` has no option for its
 worker threads (``vllm-router --help``; its async runtime starts one worker thread per core,
 2 here): it runs with that default, which is what the machine allows it. Neither is pinned.
 
 **Our gateway's mode.** ``--gateway-mode embedded`` (the default) starts ``hpd gateway
 --redis-url <the control plane's Redis>`` without ``--scheduler``: it plans in its own
-process. A gateway whose ``--help`` has no ``--redis-url`` cannot: the run falls back to
-``remote`` (``--scheduler ADDR``, a plan per request over the scheduler's stream) and says
-so. Our gateway counts prompt tokens with a local ``tokenizer.json`` (``--tokenizer``, as it
-is deployed; without one it would ask an engine's ``/tokenize`` on every request) and serves
-the default profile's ``batch`` tier (``--default-tier batch``, as ``bench/gateway.py``):
-admission is not what this measures, the peer admits everything. Refusals (429) are counted
+process; ``remote`` plans over the scheduler service (``--scheduler ADDR``, a plan per
+request over the scheduler's stream). Our gateway counts prompt tokens with a local
+``tokenizer.json`` (``--tokenizer``, as it is deployed; without one it would ask an
+engine's ``/tokenize`` on every request) and serves the default profile's ``batch`` tier
+(``--default-tier batch``, as ``bench/gateway.py``): admission is not what this measures,
+the peer admits everything. Refusals (429) are counted
 as errors.
 
 Figures (``--json``, targets from the issue):
@@ -67,6 +68,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import random
 import signal
@@ -372,6 +374,7 @@ class Stack:
 
     work: Path
     mode: str  # "embedded" or "remote"
+    workers: int = 1  # our gateway's processes on its port (--workers)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     logs: dict[str, Path] = field(default_factory=dict)
     redis: Any = None
@@ -379,6 +382,7 @@ class Stack:
     engines: dict[str, str] = field(default_factory=dict)
     gateway_url: str = ""
     metrics_url: str = ""
+    metrics_urls: list[str] = field(default_factory=list)  # one per worker
     router_url: str = ""
     _files: list[IO[bytes]] = field(default_factory=list)
 
@@ -441,6 +445,7 @@ class Stack:
         port, mport = pick_port(), pick_port()
         self.gateway_url = f"http://127.0.0.1:{port}"
         self.metrics_url = f"http://127.0.0.1:{mport}/metrics"
+        self.metrics_urls = [f"http://127.0.0.1:{mport + i}/metrics" for i in range(self.workers)]
         plan = (
             ["--redis-url", self.redis.url]
             if self.mode == "embedded"
@@ -450,7 +455,7 @@ class Stack:
             hpd, "gateway", "--port", str(port), "--metrics-port", str(mport), *plan,
             "--broker", self.addrs["kvbroker"], "--registry", self.addrs["registry"],
             "--tokenizer", f"{MODEL}={tok}", "--default-tier", "batch",
-            "--log-level", "warning",
+            "--workers", str(self.workers), "--log-level", "warning",
         ])  # fmt: skip
         self._wait("hpd-gateway", lambda: _http_ok(self.gateway_url + "/health"), 60)
         self._wait("hpd-gateway", self._gateway_sees_model, 60)
@@ -534,19 +539,15 @@ class Stack:
         self._files.clear()
 
 
-def gateway_has_redis_url() -> bool:
-    """Whether this ``hpd gateway`` can plan in its own process (``--redis-url``)."""
-    hpd = str(Path(sys.executable).with_name("hpd"))
-    out = subprocess.run([hpd, "gateway", "--help"], capture_output=True, text=True, timeout=60)
-    return "--redis-url" in out.stdout
-
-
-def gateway_modes(metrics_url: str) -> dict[str, int]:
-    """Our gateway's requests so far by the hand-off mode used (``hpd_gateway_requests``)."""
+def gateway_modes(metrics_urls: Sequence[str]) -> dict[str, int]:
+    """Our gateway's requests so far by the hand-off mode used (``hpd_gateway_requests``),
+    summed over its workers."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    with urllib.request.urlopen(metrics_url, timeout=5) as resp:
-        text = resp.read().decode()
+    text = ""
+    for url in metrics_urls:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            text += resp.read().decode()
     modes: dict[str, int] = {}
     for family in text_string_to_metric_families(text):
         if family.name == "hpd_gateway_requests":
@@ -648,10 +649,10 @@ def measure(
         passes: dict[str, list[dict[str, Any]]] = {}
         for arm in order:
             seed += 1
-            before = gateway_modes(stack.metrics_url) if arm == "hpd-gateway" else {}
+            before = gateway_modes(stack.metrics_urls) if arm == "hpd-gateway" else {}
             got = run_client(stack, arm, c, warmup_s, seconds, seed)
             if arm == "hpd-gateway":  # the pass's plans by mode, its warm-up included
-                after = gateway_modes(stack.metrics_url)
+                after = gateway_modes(stack.metrics_urls)
                 got["modes"] = {k: v - before.get(k, 0) for k, v in after.items()}
             passes.setdefault(arm, []).append(got)
             say(
@@ -733,7 +734,7 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     ap.add_argument(
         "--quick", action="store_true", help="4 shorter levels: about a minute (full run: 5 min)"
@@ -742,21 +743,54 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gateway-mode", choices=("embedded", "remote"), default="embedded",
                     help="embedded: the gateway plans itself (--redis-url); remote: over the "
                     "scheduler service (--scheduler)")  # fmt: skip
+    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                    help="our gateway's processes (--workers; default one per core, as the "
+                    "router's runtime runs a worker thread per core)")  # fmt: skip
     ap.add_argument("--levels", default="", help="comma-separated concurrencies (overrides)")
     ap.add_argument("--keep", action="store_true", help="keep the work folder (logs)")
     ap.add_argument("--serve-engines", nargs=2, metavar=("REGISTRY", "BROKER"),
                     help=argparse.SUPPRESS)  # fmt: skip
     ap.add_argument("--client", metavar="SPEC", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.serve_engines:
+    return ap
+
+
+def _print_report(
+    results: dict[str, dict[int, dict[str, Any]]], figs: dict[str, float], out: dict[str, Any]
+) -> None:
+    """The human-readable report: the per-level table, the figures against their targets,
+    and where our CPU went."""
+    print(table(results))
+    print()
+    for name in TARGETS:
+        print(f"{name}: {figs[name]:.3f}  ({verdict(name, figs[name])})")
+    print(
+        f"CPU ms/request: ours {figs['cpu_ms_per_request_ours']:.3f}, vllm-router "
+        f"{figs['cpu_ms_per_request_vllm_router']:.3f}; engine TTFT p50 at C=1 "
+        f"{out['engine_ttft_p50_ms_c1']:.2f} ms, the client's own hand-off "
+        f"{out['handoff_ttft_p50_ms_c1']:.2f} ms; gateway mode {out['gateway_mode']}, plans by "
+        f"mode {out['gateway_modes_used']}"
+    )
+    parts = {
+        k: sum(lv["cpu_s"].get(f"front:{k}", 0.0) for lv in results["hpd-gateway"].values())
+        for k in ("gateway", "hpd-up", "redis")
+    }
+    total = sum(parts.values()) or 1.0
+    print(
+        "our CPU by process: "
+        + ", ".join(f"{k} {100 * v / total:.0f} %" for k, v in parts.items())
+        + f"; threads at start: {out['threads']}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.serve_engines or args.client:
         from hpd_common.aio import run
 
-        run(serve_engines(*args.serve_engines))
-        return 0
-    if args.client:
-        from hpd_common.aio import run
-
-        print(json.dumps(run(drive(json.loads(args.client)))), flush=True)
+        if args.serve_engines:
+            run(serve_engines(*args.serve_engines))
+        else:
+            print(json.dumps(run(drive(json.loads(args.client)))), flush=True)
         return 0
     signal.signal(signal.SIGTERM, _on_sigterm)
     levels = tuple(int(x) for x in args.levels.split(",") if x) or (
@@ -764,14 +798,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     warmup_s, seconds, twice = (1.0, 4.0, False) if args.quick else (2.0, 8.0, True)
     mode = args.gateway_mode
-    notes: list[str] = []
-    if mode == "embedded" and not gateway_has_redis_url():
-        mode = "remote"
-        notes.append(
-            "hpd gateway has no --redis-url yet (no embedded planning): ran remote mode "
-            "(--scheduler)"
-        )
-        say("note: " + notes[-1])
     from hpd_fleet.real_install import engines_venv
 
     try:  # where bench/gateway.py finds it: the engines' virtualenv (installed once)
@@ -779,13 +805,12 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
         say(f"error: the engines' virtualenv (vllm-router) could not be installed: {exc}")
         return 1
-    router_bin = venv / "bin" / "vllm-router"
     work = Path(tempfile.mkdtemp(prefix="hpd-bench-gwcap-"))
-    stack = Stack(work, mode)
+    stack = Stack(work, mode, args.workers)
     t0 = time.perf_counter()
     try:
         say(f"starting redis, hpd up, the instant engines, hpd gateway ({mode}), vllm-router ...")
-        stack.start(router_bin)
+        stack.start(venv / "bin" / "vllm-router")
         setup_s = time.perf_counter() - t0
         threads = stack.threads()
         for arm in ARMS:  # connections, the scheduler's first measurements of the engines
@@ -793,7 +818,7 @@ def main(argv: list[str] | None = None) -> int:
             if warm["completed"] == 0:
                 raise StartError(f"{arm} served no request in its warm-up: {warm['errors']}")
         results = measure(stack, levels, warmup_s, seconds, twice)
-        modes = gateway_modes(stack.metrics_url)
+        modes = gateway_modes(stack.metrics_urls)
     except (StartError, RuntimeError) as exc:
         say(f"error: {exc}")
         return 1
@@ -809,14 +834,15 @@ def main(argv: list[str] | None = None) -> int:
         else:
             say(f"logs kept in {work}")
     figs = figures(results)
-    engine_c1 = results["engine"][1]["ttft_p50_ms"] if "engine" in results else float("nan")
-    handoff_c1 = results["handoff"][1]["ttft_p50_ms"] if "handoff" in results else float("nan")
     out: dict[str, Any] = {
         **figs,
         "targets": {k: f"{op} {t:g}" for k, (op, t) in TARGETS.items()},
-        "engine_ttft_p50_ms_c1": engine_c1,
-        "handoff_ttft_p50_ms_c1": handoff_c1,
+        "engine_ttft_p50_ms_c1": results.get("engine", {}).get(1, {}).get("ttft_p50_ms", math.nan),
+        "handoff_ttft_p50_ms_c1": results.get("handoff", {})
+        .get(1, {})
+        .get("ttft_p50_ms", math.nan),
         "gateway_mode": mode,
+        "gateway_workers": args.workers,
         "gateway_modes_used": modes,
         "threads": threads,
         "levels": {arm: {str(c): v for c, v in lv.items()} for arm, lv in results.items()},
@@ -827,33 +853,12 @@ def main(argv: list[str] | None = None) -> int:
         "setup_s": round(setup_s, 1),
         "total_s": round(time.perf_counter() - t0, 1),
         "cpus": os.cpu_count(),
-        "notes": notes,
         "quick": args.quick,
     }
     if args.json:
         print(json.dumps(finite(out)))
-        return 0
-    print(table(results))
-    print()
-    for name in TARGETS:
-        print(f"{name}: {figs[name]:.3f}  ({verdict(name, figs[name])})")
-    print(
-        f"CPU ms/request: ours {figs['cpu_ms_per_request_ours']:.3f}, vllm-router "
-        f"{figs['cpu_ms_per_request_vllm_router']:.3f}; engine TTFT p50 at C=1 {engine_c1:.2f} ms, "
-        f"the client's own hand-off {handoff_c1:.2f} ms; gateway mode {mode}, plans by mode {modes}"
-    )
-    parts = {
-        k: sum(lv["cpu_s"].get(f"front:{k}", 0.0) for lv in results["hpd-gateway"].values())
-        for k in ("gateway", "hpd-up", "redis")
-    }
-    total = sum(parts.values()) or 1.0
-    print(
-        "our CPU by process: "
-        + ", ".join(f"{k} {100 * v / total:.0f} %" for k, v in parts.items())
-        + f"; threads at start: {threads}"
-    )
-    for n in notes:
-        print("note: " + n)
+    else:
+        _print_report(results, figs, out)
     return 0
 
 
