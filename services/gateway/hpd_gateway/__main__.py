@@ -177,13 +177,8 @@ def _pairs(text: str, name: str) -> tuple[tuple[str, str], ...]:
 
 
 def _check(s: GatewaySettings) -> ApiKeys | None:
-    """The settings' files and exposure, checked before anything starts; the API keys."""
-    if s.scheduler and (s.redis_url or s.scheduler_config):
-        raise InvalidArgument(
-            "scheduler", "plan at a scheduler (--scheduler) or in this process (--redis-url, "
-            "--scheduler-config), not both",
-        )  # fmt: skip
-    embedded_settings(s)  # a missing Redis URL or a bad replica setting, before anything starts
+    """The settings' files and exposure (first: an unprotected listener is the error to
+    name), checked before anything starts; the API keys."""
     if bool(s.tls_cert_file) != bool(s.tls_key_file):
         raise InvalidArgument("tls_key_file", "tls_cert_file and tls_key_file go together")
     keys = ApiKeys.load(s.api_keys) if s.api_keys else None
@@ -191,6 +186,12 @@ def _check(s: GatewaySettings) -> ApiKeys | None:
         s.host, auth=keys is not None, tls=bool(s.tls_cert_file), insecure=s.insecure,
         what="hpd gateway",
     )  # fmt: skip
+    if s.scheduler and (s.redis_url or s.scheduler_config):
+        raise InvalidArgument(
+            "scheduler", "plan at a scheduler (--scheduler) or in this process (--redis-url, "
+            "--scheduler-config), not both",
+        )  # fmt: skip
+    embedded_settings(s)  # a missing Redis URL or a bad replica setting, before anything starts
     for name in ("body_timeout_s", "keepalive_timeout_s"):
         if not getattr(s, name) > 0:
             raise InvalidArgument(name, "must be > 0")

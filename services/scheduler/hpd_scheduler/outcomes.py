@@ -7,11 +7,11 @@ from __future__ import annotations
 from typing import Any
 
 from hpd_common import auth
-from hpd_common.errors import NotFound, PermissionDenied, Unavailable
+from hpd_common.errors import NotFound, PermissionDenied
 from hpd_common.logging import get_logger
 from hpd_scheduler import metrics
 from hpd_scheduler.feedback import observation_from
-from hpd_scheduler.policy.learning import prefill_key, samples_from
+from hpd_scheduler.policy.learning import samples_from
 from hpd_scheduler.snapshot import FleetSnapshot
 from hpd_scheduler.store import Totals
 
@@ -68,14 +68,13 @@ class OutcomeReports(FleetSnapshot):
             if obs is not None:
                 self.observed.observe(obs, now_ms / 1000.0)
                 self._changed.set()
-            await self._learn(plan, outcome, res.head or {})
+            self._learn(plan, outcome, res.head or {})
         return res.released, res.first_report
 
-    async def _learn(
-        self, plan: dict[str, Any], outcome: dict[str, Any], head: dict[str, Any]
-    ) -> None:
-        """The outcome's samples for the learner: fitted here at once, shared with every
-        replica through the store; the estimate's error goes to the metrics."""
+    def _learn(self, plan: dict[str, Any], outcome: dict[str, Any], head: dict[str, Any]) -> None:
+        """The outcome's samples for the learner, learned with the others of their batch
+        (``learning_queue``: fitted here, shared with every replica through the store);
+        the estimate's error goes to the metrics at once."""
         est = plan.get("estimates") or {}
         tier = str(head.get("tier") or "")
         created_ms = int(head.get("created_at_ms") or 0)
@@ -87,18 +86,7 @@ class OutcomeReports(FleetSnapshot):
             if rec is not None:
                 incarnation[worker] = rec.state.registered_at_ms
         got = samples_from(plan, outcome, created_ms, incarnation, self.clock.now_ms())
-        learner = self.observed.learner
-        for key, sample in got:
-            learner.add(key, sample, sample.inc)
-            # a queued sample moves its worker's prefill fit
-            fitted = key if key.startswith("d:") else prefill_key(key[2:])
-            metrics.export_learned({fitted: f} if (f := learner.fits.get(fitted)) else {})
-        if got:
-            self._changed.set()
-            try:
-                await self.learn_store.push(got)
-            except Unavailable as exc:  # the release above stands; the sample is only lost
-                log.debug("learn_sample_lost", error=str(exc))
+        self.learning.add(got)  # fitted, exported and shared in a batch (learning_queue)
 
 
 def _error_metrics(

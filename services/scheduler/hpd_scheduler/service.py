@@ -66,6 +66,7 @@ from hpd_scheduler.group_commit import GroupCommit
 from hpd_scheduler.keys import SchedulerKeys
 from hpd_scheduler.kv_events import KvEventFollower
 from hpd_scheduler.learn_store import LearnStore
+from hpd_scheduler.learning_queue import LearningQueue
 from hpd_scheduler.outcomes import OutcomeReports
 from hpd_scheduler.policy import (
     ConfigError,
@@ -163,12 +164,13 @@ class SchedulerService(PolicyAndDirectives, OutcomeReports, RouteRecords, Schedu
             raise InvalidArgument(f"profile.{exc.key_path}", exc.message) from None
         self._policy = PolicyState(profile, Planner(profile), text, 1, clock.now_ms())
         self.observed = ObservedEstimates(settings.ewma_alpha)
+        self._changed = asyncio.Event()
         self.learn_store = LearnStore(client, SchedulerKeys(settings.key_prefix))
+        self.learning = LearningQueue(self.observed.learner, self.learn_store, self._changed.set)
         self._incarnations: dict[str, int] = {}
         self._views: dict[str, tuple[int, tuple[int, int], WorkerView]] = {}
         self._links: tuple[int, LinkModel] = (-1, LinkModel())
         self._fleet: Fleet | None = None
-        self._changed = asyncio.Event()
         self._totals: dict[str, Totals] = {}
         self._applied: dict[str, Totals] = {}  # what the snapshot counts (_effective)
         self._in_flight: dict[int, ReservationAsk] = {}  # reservation scripts under way
@@ -203,6 +205,7 @@ class SchedulerService(PolicyAndDirectives, OutcomeReports, RouteRecords, Schedu
             asyncio.create_task(self._sync_loop(), name="scheduler-reservations"),
             asyncio.create_task(self.explanations.run(), name="scheduler-explanations"),
         ]
+        self.learning.start()
         if self.settings.directive_interval_ms > 0:
             self._tasks.append(
                 asyncio.create_task(self._directive_loop(), name="scheduler-directives")
@@ -219,6 +222,7 @@ class SchedulerService(PolicyAndDirectives, OutcomeReports, RouteRecords, Schedu
             # logic; the loops also watch `_stopping`, so give them a moment to notice
             await asyncio.wait(self._tasks, timeout=1.0)
         self._tasks = []
+        await self.learning.stop()  # what still waits is learned and shared
         await self.commits.close()
         with contextlib.suppress(Exception):
             await self.explanations.flush()

@@ -25,6 +25,7 @@ from hpd_scheduler.explanations import ExplanationWriter
 from hpd_scheduler.feedback import ObservedEstimates
 from hpd_scheduler.group_commit import GroupCommit
 from hpd_scheduler.learn_store import LearnStore
+from hpd_scheduler.learning_queue import LearningQueue
 from hpd_scheduler.policy import Fleet, LearnedSpeed, LearnedStep, LinkModel, WorkerView
 from hpd_scheduler.policy.learning import prefill_key, step_key
 from hpd_scheduler.policy.prefix import PrefixIndex
@@ -53,6 +54,7 @@ class SchedulerState:
     informer: FleetInformer
     observed: ObservedEstimates
     learn_store: LearnStore
+    learning: LearningQueue
     _incarnations: dict[str, int]
     explanations: ExplanationWriter
     directives: DirectiveSender

@@ -331,3 +331,38 @@ def test_a_decode_step_that_grows_with_the_batch_is_learned() -> None:
     assert prior is not None and prior.samples == 0 and prior.seq_ms == got.seq_ms
     learner.forget_incarnation("d0", 9)  # a new engine
     assert learner.step("d0") is None
+
+
+def test_a_batch_learns_what_its_samples_one_by_one_would_with_one_fit_per_key() -> None:
+    """``add_batch`` (the scheduler learns outcomes in batches): each key refitted at most
+    once however many samples it brings, the queue share after the fit it rests on, and the
+    figures those of a learner fed the same samples one at a time."""
+    rng = random.Random(5)
+    plain = _draws(2 * WINDOW, rng)
+    queued = _queued(WINDOW, rng, 0.4)
+    steps = _draws(WINDOW, rng, fixed=3.0, scale=9.0)
+    batch = [(prefill_key("p0"), s) for s in plain] + [(queue_key("p0"), s) for s in queued]
+    batch += [(step_key("d0"), s) for s in steps]
+    rng.shuffle(batch)
+
+    class Counting(SpeedLearner):
+        refits: list[str]
+
+        def _refit(self, key: str, incarnation: int) -> None:
+            self.refits.append(key)
+            super()._refit(key, incarnation)
+
+    together = Counting()
+    together.refits = []
+    together.add_batch(batch)
+    assert sorted(together.refits) == sorted({prefill_key("p0"), step_key("d0")})
+    one_by_one = SpeedLearner()
+    for key, s in batch:
+        one_by_one.add(key, s, s.inc)
+    for key in (prefill_key("p0"), step_key("d0")):  # the last sample refitted each here too
+        one_by_one._refit(key, 7)
+    assert together.prefill("p0") == one_by_one.prefill("p0")
+    assert together.step("d0") == one_by_one.step("d0")
+    got = together.prefill("p0")
+    assert got is not None and got.queue_share == pytest.approx(0.4, abs=0.12)
+    assert together.version["p0"] >= 1 and together.generation >= 2

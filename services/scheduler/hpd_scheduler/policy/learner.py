@@ -49,22 +49,48 @@ class SpeedLearner:
         by more than ``SHIFT_FACTOR`` (a speed change starts so), and otherwise every
         ``REFIT_EVERY`` samples. A queued sample only moves the queue share (a median of
         at most ``WINDOW`` figures: microseconds), redone every time."""
+        self._keep(key, sample)
+        if key.startswith("q:"):
+            self._reshare(key[2:], incarnation)
+        elif self._due(key, sample):  # a prefill (p:) or decode step (d:) sample
+            self._refit(key, incarnation)
+
+    def add_batch(self, batch: Iterable[tuple[str, Sample]]) -> None:
+        """Several samples at once (``hpd_scheduler.learning_queue``), each under its own
+        incarnation: every key is refitted at most once, when any of its new samples would
+        have refitted it alone (``add``'s rule), and every queue share redone once, after
+        the fits it rests on."""
+        refit: dict[str, int] = {}
+        reshare: dict[str, int] = {}
+        for key, sample in batch:
+            self._keep(key, sample)
+            if key.startswith("q:"):
+                reshare[key[2:]] = sample.inc
+            elif key in refit or self._due(key, sample):
+                refit[key] = sample.inc  # refitted once, with every sample of the batch
+        for key, inc in refit.items():
+            self._refit(key, inc)  # a prefill key's refit reshares its worker too
+        for worker, inc in reshare.items():
+            if prefill_key(worker) not in refit:
+                self._reshare(worker, inc)
+
+    def _keep(self, key: str, sample: Sample) -> None:
         kept = self.samples.setdefault(key, [])
         kept.append(sample)
         del kept[: -2 * WINDOW]
-        if key.startswith("q:"):
-            self._reshare(key[2:], incarnation)
-            return
-        # a prefill (p:) or decode step (d:) sample
+
+    def _due(self, key: str, sample: Sample) -> bool:
+        """Whether ``sample`` (just kept) should refit its key (``add``'s rule); counts it
+        toward the next periodic refit when not."""
         f = self.fits.get(key)
         n = self._since.get(key, 0) + 1
         if f is not None and f.samples >= WINDOW and n < REFIT_EVERY:
             ratio = sample.y / max(f.predict(sample.x, sample.ahead), 1e-9)
             if 1 / SHIFT_FACTOR <= ratio <= SHIFT_FACTOR:
                 self._since[key] = n
-                return
+                return False
         self._since[key] = 0
-        self._refit(key, incarnation)
+        return True
 
     def replace(
         self, stored: Mapping[str, Iterable[Sample]], incarnations: Mapping[str, int]
