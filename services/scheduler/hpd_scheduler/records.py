@@ -105,6 +105,7 @@ def head_of(
                 "decode_nominal_ms": float(f"{e.decode_nominal_ms:.6g}"),  # can be tiny
                 "decode_others": _r(e.decode_others),
                 "decode_step_ms": _r(e.decode_step_ms),
+                "decode_duty": _r(e.decode_duty),
             },
             "fallbacks": [f.to_dict() for f in chain],
         }

@@ -61,6 +61,7 @@ class SimLearner:
                 "decode_nominal_ms": e.decode_nominal_ms,
                 "decode_others": e.decode_others,
                 "decode_step_ms": e.decode_step_ms,
+                "decode_duty": e.decode_duty,
                 "tpot_ms": e.tpot_ms,
                 "kv_bytes": e.kv_bytes,
             },

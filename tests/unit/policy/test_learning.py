@@ -313,6 +313,25 @@ def test_an_outcome_teaches_the_decode_workers_step_from_its_tpot() -> None:
     )
 
 
+def test_the_step_is_taken_back_by_the_prefill_duty_its_plan_saw() -> None:
+    """The planner stretches a step by ``1 / (1 - duty)`` (``WorkerState.tpot_ms``): the
+    fit takes each measured TPOT back to the bare step by the duty its plan saw, so a busy
+    moment does not teach a slower engine and the stretch is not counted twice."""
+    # the plan: a 6 ms step at a duty of 0.5 is a 12 ms TPOT, plus a 1 ms stall: 13 ms
+    est = {"decode_nominal_ms": 0.5, "decode_others": 3.0, "decode_step_ms": 6.0,
+           "decode_duty": 0.5, "tpot_ms": 13.0}  # fmt: skip
+    plan: dict[str, Any] = {"mode": "transfer", "prefill_worker_id": "p0",
+                            "decode_worker_id": "d0", "estimates": est}  # fmt: skip
+    outcome = {"success": True, "ttft_ms": 150.0, "prefill_ms": 120.0, "tpot_ms": 17.0}
+    got = dict(samples_from(plan, outcome, 1_000, {"p0": 500, "d0": 600}, 2_000))
+    # 17 ms measured, less the 1 ms stall, at half the engine's time: an 8 ms bare step
+    assert got[step_key("d0")] == Sample(0.5, 3.0, 8.0, 600, 2_000)
+    # a plan that saw no duty (or a record from before it was kept): the TPOT as measured
+    calm = {**plan, "estimates": {**est, "decode_duty": 0.0, "tpot_ms": 7.0}}
+    got = dict(samples_from(calm, outcome, 1_000, {"p0": 500, "d0": 600}, 2_000))
+    assert got[step_key("d0")] == Sample(0.5, 3.0, 16.0, 600, 2_000)
+
+
 def test_a_decode_step_that_grows_with_the_batch_is_learned() -> None:
     """A CPU engine's step: 3x the declared read plus 0.8 ms per sequence in the batch."""
     rng = random.Random(14)

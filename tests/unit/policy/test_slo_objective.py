@@ -26,6 +26,7 @@ from hpd_scheduler.policy import (
     parse_profile,
 )
 from hpd_scheduler.policy.config import SloObjective
+from hpd_scheduler.policy.domain import LearnedStep
 from hpd_scheduler.policy.pairing import own_ms
 
 from .builders import NOW, request, state, worker
@@ -327,6 +328,11 @@ def test_an_engine_busy_prefilling_stretches_its_tpot_estimate() -> None:
         assert ws.tpot_ms(20.0) == pytest.approx(20.0 * stretch)
     stale = state(prefill_busy=0.5, reported_at=NOW - 600.0)
     assert 20.0 <= stale.tpot_ms(20.0) < 40.0
+    # a learned step is the bare step (its samples were taken back by their duty): the
+    # same stretch
+    learned = state(prefill_busy=0.5, learned_step=LearnedStep(3.0, 0.8, 16))
+    assert learned.view.learned_step is not None
+    assert learned.tpot_ms(20.0) == pytest.approx(40.0)
 
 
 def _decoders(busy_a: float) -> list[WorkerView]:

@@ -61,7 +61,8 @@ class Estimates:
     ``decode_nominal_ms`` the declared step for the decode batch's context,
     ``decode_others`` the other sequences sharing the step and ``decode_step_ms`` the step
     predicted (``tpot_ms`` is it stretched by prefills and stalls), what it fits the
-    measured TPOT against (``LearnedStep``).
+    measured TPOT against (``LearnedStep``); ``decode_duty`` the decode worker's prefill
+    busy share the stretch used (the fit takes the measured TPOT back to a bare step by it).
     """
 
     kv_bytes: int
@@ -77,6 +78,7 @@ class Estimates:
     decode_nominal_ms: float = 0.0
     decode_others: float = 0.0
     decode_step_ms: float = 0.0
+    decode_duty: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,11 +28,12 @@ engines, so it drew requests it could not serve until its own fit arrived. Only 
 with no fit at all is planned as declared.
 
 **The decode step** is fitted the same way from the TPOT the gateway measures, under the
-decode worker's ``step_key``: ``y`` the measured TPOT less what the plan added to its
-predicted step (``tpot_ms - decode_step_ms``: the stretch of the engine's prefills and a
-local prefill's stall, the planner's own terms, as the prefill sample leaves out the
-admission wait), against ``x`` the declared step for the batch's context (the plan's
-``decode_nominal_ms``) and ``ahead`` the other sequences sharing the step (its
+decode worker's ``step_key``: ``y`` the bare step the measured TPOT shows, the TPOT less a
+local prefill's stall the plan added (the planner's own term, as the prefill sample leaves
+out the admission wait) and taken back by the prefill duty the plan saw (``x (1 - duty)``:
+the planner stretches a step by ``1 / (1 - duty)``, ``WorkerState.tpot_ms``), against
+``x`` the declared step for the batch's context (the plan's ``decode_nominal_ms``) and
+``ahead`` the other sequences sharing the step (its
 ``decode_others``): ``y = scale x nominal + seq x (1 + others)``. A first cut fitted the
 TPOT less only the prefill stretch, so the learned step held the real stalls and the
 planner's stall term came on top: on the real unequal fleet at 4.9x its capacity 1,974 of
@@ -109,6 +110,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
+
+from .worker_state import DUTY_MAX
 
 __all__ = [
     "AHEAD_MAX",
@@ -362,11 +365,13 @@ def _step_sample(
     inc = incarnations.get(worker, 0)
     if not (worker and tpot > 0 and nominal > 0 and inc and created_at_ms >= inc):
         return None
-    # the step itself: the TPOT less what the plan added to its predicted step (the stretch
-    # of the engine's prefills, a local prefill's stall): the planner's own terms
-    extra = float(est.get("tpot_ms") or 0.0) - float(est.get("decode_step_ms") or 0.0)
+    # the bare step: the TPOT less a local prefill's stall the plan added (its TPOT less its
+    # stretched step), taken back by the prefill duty that stretched it (``tpot_ms``)
+    duty = min(max(float(est.get("decode_duty") or 0.0), 0.0), DUTY_MAX)
+    stretched = float(est.get("decode_step_ms") or 0.0) / (1.0 - duty)
+    extra = float(est.get("tpot_ms") or 0.0) - stretched
     others = max(float(est.get("decode_others") or 0.0), 0.0)
-    y = tpot - max(0.0, extra)
+    y = (tpot - max(0.0, extra)) * (1.0 - duty)
     if y <= 0:
         return None  # the plan's own terms overshot the whole TPOT: nothing left to fit
     return step_key(worker), Sample(nominal, others, y, inc, now_ms).stored()

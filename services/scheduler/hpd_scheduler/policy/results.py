@@ -50,6 +50,7 @@ def plan_of(o: Option, request: Request, need: ResourceNeed) -> RoutePlan:
             decode_nominal_ms=max(step_nominal, 0.0),
             decode_others=float(seqs - 1),
             decode_step_ms=d.step_ms,
+            decode_duty=dws.duty,
         ),
     )
 
