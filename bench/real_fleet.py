@@ -460,6 +460,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--dump", type=Path, default=None, help="write our requests' plans and outcomes (JSONL)"
     )
+    ap.add_argument(
+        "--gateway-mode", choices=("embedded", "remote"), default="embedded",
+        help="our gateway plans in its own process (the default) or at the scheduler service",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     fleet = load_fleet(args.fleet)
     remove_stale()  # a run killed before it could clean up leaves its cgroups
@@ -470,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"starting {len(fleet.engines)} engines, the control plane and the gateway ...",
               file=sys.stderr)  # fmt: skip
         try:
-            with FleetStack(fleet, Path(tmp)) as stack:
+            with FleetStack(fleet, Path(tmp), gateway_mode=args.gateway_mode) as stack:
                 setup_s = time.perf_counter() - t0
                 figures = asyncio.run(measure(stack, args))
         finally:
@@ -478,6 +482,7 @@ def main(argv: list[str] | None = None) -> int:
                 import shutil
 
                 shutil.copytree(Path(tmp) / "logs", args.keep_logs, dirs_exist_ok=True)
+    figures["gateway_mode"] = args.gateway_mode
     figures["setup_s"] = round(setup_s, 1)
     figures["total_s"] = round(time.perf_counter() - t0, 1)
     if args.json:
