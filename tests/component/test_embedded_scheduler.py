@@ -25,16 +25,14 @@ from hetero_pd.v1 import common_pb2 as c
 from hetero_pd.v1 import registry_pb2_grpc as r_grpc
 from hetero_pd.v1 import scheduler_pb2 as s
 from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
-from hpd_common import redis_conn
 from hpd_common.channels import CallIdentity
 from hpd_gateway.control_client import ControlPlane as GatewayControl
 from hpd_gateway.embedded_client import replica_settings
 from hpd_gateway.plan import Outcome, Plan
 from hpd_gateway.protocol import GatewayError
-from hpd_scheduler.keys import SchedulerKeys
 from hpd_tools.controlplane import ControlPlane
 from tests.support.fleet import load
-from tests.support.scheduler import register, sched, status_of
+from tests.support.scheduler import register, reservations_held, sched, status_of
 from tests.support.servers import RegistryHandle, external
 
 pytestmark = [
@@ -46,12 +44,7 @@ PER_REQUEST_BYTES = (1000 + 24) * 128 * 1024  # llama-3-8b bf16: 128 KiB per tok
 MODEL = "llama-3-8b"
 
 
-async def held(redis_url: str, prefix: str) -> int:
-    client = redis_conn.connect(redis_url)
-    try:
-        return int(await client.hlen(SchedulerKeys(prefix).reservations))
-    finally:
-        await client.aclose()
+held = reservations_held
 
 
 @contextlib.asynccontextmanager

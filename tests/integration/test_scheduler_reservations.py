@@ -26,13 +26,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hetero_pd.v1 import common_pb2 as c
 from hetero_pd.v1 import scheduler_pb2 as s
 from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
-from hpd_scheduler.keys import SchedulerKeys
 from hpd_tools.embedded_redis import EmbeddedRedis
 from tests.support.fleet import load
 from tests.support.scheduler import (
     SchedulerHandle,
     own_scheduler,
     register,
+    reservations_held,
     sched,
     status_of,
 )
@@ -115,14 +115,7 @@ async def small_decode_worker(registry: RegistryHandle) -> str:
     return wid
 
 
-async def held(redis_url: str, prefix: str) -> int:
-    from hpd_common import redis_conn
-
-    client = redis_conn.connect(redis_url)
-    try:
-        return int(await client.hlen(SchedulerKeys(prefix).reservations))
-    finally:
-        await client.aclose()
+held = reservations_held
 
 
 async def capacity_comes_back(

@@ -187,3 +187,15 @@ async def saturated_worker(h: SchedulerHandle) -> str:
     )  # fmt: skip
     await h.settle([wid])
     return wid
+
+
+async def reservations_held(redis_url: str, prefix: str) -> int:
+    """How many reservations the scheduler replicas hold in Redis under ``prefix``."""
+    from hpd_common import redis_conn
+    from hpd_scheduler.keys import SchedulerKeys
+
+    client = redis_conn.connect(redis_url)
+    try:
+        return int(await client.hlen(SchedulerKeys(prefix).reservations))
+    finally:
+        await client.aclose()

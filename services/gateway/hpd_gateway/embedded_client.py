@@ -36,7 +36,7 @@ from hpd_common.errors import InvalidArgument
 from hpd_common.settings import load_settings
 from hpd_registry.informer import FleetInformer
 from hpd_scheduler import convert as cv
-from hpd_scheduler.broker_client import GrpcKvBroker, KvSessionOpener
+from hpd_scheduler.broker_client import KvSessionOpener, session_opener
 from hpd_scheduler.service import SchedulerService
 from hpd_scheduler.settings import SchedulerSettings
 
@@ -84,13 +84,8 @@ class EmbeddedScheduler:
         opener: KvSessionOpener | None = None,
     ) -> None:
         self.client = redis_conn.connect(settings.redis_url)
-        if opener is None and settings.broker_target:
-            opener = GrpcKvBroker(
-                settings.broker_target,
-                settings.broker_token,
-                timeout_s=settings.broker_timeout_ms / 1000,
-                identity=settings.call_identity(),
-            )
+        if opener is None:
+            opener = session_opener(settings)
         self.service = SchedulerService(
             settings, self.client, SystemClock(), None, opener, informer=informer
         )

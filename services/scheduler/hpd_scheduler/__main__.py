@@ -13,7 +13,7 @@ from hpd_common.errors import InvalidArgument
 from hpd_common.server import GrpcServer, serve_main
 from hpd_scheduler import processes
 from hpd_scheduler.api import SchedulerComponent
-from hpd_scheduler.broker_client import GrpcKvBroker, KvSessionOpener
+from hpd_scheduler.broker_client import KvSessionOpener, session_opener
 from hpd_scheduler.service import SchedulerService
 from hpd_scheduler.settings import SchedulerSettings
 
@@ -31,13 +31,8 @@ def build_server(
         if not settings.redis_url:
             raise InvalidArgument("redis_url", "is required (or run `hpd up` for an embedded one)")
         client = redis_conn.connect(settings.redis_url)
-    if opener is None and settings.broker_target:
-        opener = GrpcKvBroker(
-            settings.broker_target,
-            settings.broker_token,
-            timeout_s=settings.broker_timeout_ms / 1000,
-            identity=settings.call_identity(),
-        )
+    if opener is None:
+        opener = session_opener(settings)
     service = SchedulerService(settings, client, clock or SystemClock(), rng, opener)
     return GrpcServer(
         "scheduler", settings, SchedulerComponent(service), client,

@@ -33,6 +33,7 @@ __all__ = [
     "SessionRefused",
     "refusal_for",
     "refusal_reason",
+    "session_opener",
 ]
 
 
@@ -173,3 +174,17 @@ class GrpcKvBroker:
         if self._channel is not None:
             await self._channel.close()
             self._channel = None
+
+
+def session_opener(settings: Any) -> KvSessionOpener | None:
+    """The opener a scheduler's settings name (``broker_target``, its token, deadline and
+    identity), or None without a broker: the one place a scheduler process, and a gateway's
+    embedded replica, reach the broker from."""
+    if not settings.broker_target:
+        return None
+    return GrpcKvBroker(
+        settings.broker_target,
+        settings.broker_token,
+        timeout_s=settings.broker_timeout_ms / 1000,
+        identity=settings.call_identity(),
+    )
