@@ -68,7 +68,10 @@ class LearningQueue:
         while True:
             await self._wake.wait()
             await asyncio.sleep(BATCH_S)
-            await self.flush()
+            try:
+                await self.flush()
+            except Exception:  # a bad batch is logged and dropped; learning goes on
+                log.exception("learn_batch_failed")
 
     async def flush(self) -> None:
         """Learn every waiting sample now: fit, export, share."""

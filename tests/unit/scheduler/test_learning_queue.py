@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -62,3 +63,38 @@ async def test_stopping_learns_what_still_waits(
     await queue.stop()  # before the batch's wait is over
     got = learner.prefill("w0")
     assert got is not None and got.samples == MIN_SAMPLES + 2
+
+
+async def test_a_batch_that_fails_is_logged_and_learning_goes_on(
+    redis_client: aioredis.Redis, key_prefix: str
+) -> None:
+    """A batch whose learning raises (a bug, a sample the fit cannot take) must not end the
+    loop: the next batch is learned."""
+
+    class Flaky(SpeedLearner):
+        fail = True
+
+        def add_batch(self, batch: Any) -> None:
+            if self.fail:
+                self.fail = False
+                raise ValueError("a bad batch")
+            super().add_batch(batch)
+
+    learner = Flaky()
+    store = LearnStore(redis_client, SchedulerKeys(key_prefix))
+    queue = LearningQueue(learner, store, lambda: None)
+    queue.start()
+    try:
+        queue.add(_samples(2))
+        for _ in range(100):
+            if not learner.fail and not queue._waiting:
+                break
+            await asyncio.sleep(BATCH_S / 5)
+        queue.add(_samples(MIN_SAMPLES + 2, seed=6))
+        for _ in range(100):
+            if learner.prefill("w0") is not None:
+                break
+            await asyncio.sleep(BATCH_S / 5)
+        assert learner.prefill("w0") is not None
+    finally:
+        await queue.stop()
