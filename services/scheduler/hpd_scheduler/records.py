@@ -14,7 +14,7 @@ import hashlib
 import json
 from typing import Any
 
-from hpd_scheduler.policy import Decision, FallbackStep, Mode, Request, RoutePlan
+from hpd_scheduler.policy import Decision, Estimates, FallbackStep, Mode, Request, RoutePlan
 
 __all__ = ["as_recompute", "head_of"]
 
@@ -55,6 +55,26 @@ def as_recompute(
     return new, rest
 
 
+def estimates_of(e: Estimates) -> dict[str, Any]:
+    """A plan's estimates as its record keeps them (what the learner reads back)."""
+    return {
+        "kv_bytes": e.kv_bytes,
+        "transfer_ms": None if e.transfer_ms is None else _r(e.transfer_ms),
+        "recompute_ms": _r(e.recompute_ms),
+        "conversion_ms": _r(e.conversion_ms),
+        "prefill_wait_ms": _r(e.prefill_wait_ms),
+        "prefill_ms": _r(e.prefill_ms),
+        "ttft_ms": _r(e.ttft_ms),
+        "tpot_ms": _r(e.tpot_ms),
+        "prefill_nominal_ms": _r(e.prefill_nominal_ms),
+        "prefill_ahead": _r(e.prefill_ahead),
+        "decode_nominal_ms": float(f"{e.decode_nominal_ms:.6g}"),  # can be tiny
+        "decode_others": _r(e.decode_others),
+        "decode_step_ms": _r(e.decode_step_ms),
+        "decode_duty": _r(e.decode_duty),
+    }
+
+
 def head_of(
     decision: Decision,
     request: Request,
@@ -76,7 +96,6 @@ def head_of(
     action = decision.action
     plan_d: dict[str, Any] | None = None
     if p is not None:
-        e = p.estimates
         plan_d = {
             "mode": p.mode.value,
             "prefill_worker_id": p.prefill_worker_id,
@@ -91,22 +110,7 @@ def head_of(
             "reservation_expires_at_ms": reservation_expires_at_ms,
             "kv_session_id": kv_session_id,
             "mode_reason": mode_reason,
-            "estimates": {
-                "kv_bytes": e.kv_bytes,
-                "transfer_ms": None if e.transfer_ms is None else _r(e.transfer_ms),
-                "recompute_ms": _r(e.recompute_ms),
-                "conversion_ms": _r(e.conversion_ms),
-                "prefill_wait_ms": _r(e.prefill_wait_ms),
-                "prefill_ms": _r(e.prefill_ms),
-                "ttft_ms": _r(e.ttft_ms),
-                "tpot_ms": _r(e.tpot_ms),
-                "prefill_nominal_ms": _r(e.prefill_nominal_ms),
-                "prefill_ahead": _r(e.prefill_ahead),
-                "decode_nominal_ms": float(f"{e.decode_nominal_ms:.6g}"),  # can be tiny
-                "decode_others": _r(e.decode_others),
-                "decode_step_ms": _r(e.decode_step_ms),
-                "decode_duty": _r(e.decode_duty),
-            },
+            "estimates": estimates_of(p.estimates),
             "fallbacks": [f.to_dict() for f in chain],
         }
     summary = decision.route_record()
