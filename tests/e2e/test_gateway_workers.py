@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 
 from hpd_tools.embedded_redis import EmbeddedRedis
-from tests.e2e.test_scheduler_processes import alive, children, free_port, wait_for
-from tests.support.processes import stop
+from tests.support.processes import alive, children, free_port, stop, wait_for
 from tests.support.servers import RegistryHandle, external
 
 pytestmark = [

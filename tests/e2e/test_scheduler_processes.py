@@ -9,9 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -22,7 +20,15 @@ from hetero_pd.v1 import scheduler_pb2 as s
 from hetero_pd.v1 import scheduler_pb2_grpc as s_grpc
 from hpd_tools.embedded_redis import EmbeddedRedis
 from tests.support.fleet import load
-from tests.support.processes import schedule_when_ready, stop, wait_serving
+from tests.support.processes import (
+    alive,
+    children,
+    free_port,
+    schedule_when_ready,
+    stop,
+    wait_for,
+    wait_serving,
+)
 from tests.support.scheduler import register, sched
 from tests.support.servers import RegistryHandle, external
 
@@ -33,31 +39,6 @@ pytestmark = [
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == pid:
-            out.append(int(entry.name))
-    return sorted(out)
-
-
-def alive(pid: int) -> bool:
-    return Path(f"/proc/{pid}").exists()
-
-
 def metrics_hold(port: int, needle: bytes = b"hpd_scheduler_fleet_workers") -> bool:
     """A scheduler's /metrics answers on ``port`` with ``needle`` in it."""
     try:
@@ -65,15 +46,6 @@ def metrics_hold(port: int, needle: bytes = b"hpd_scheduler_fleet_workers") -> b
             return needle in resp.read()
     except OSError:
         return False
-
-
-def wait_for(check: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"not within {timeout_s} s: {what}")
 
 
 # size: one end-to-end scenario whose steps build on each other, read in order
